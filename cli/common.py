@@ -1,0 +1,41 @@
+"""What every command shares: turning known errors into one clear paragraph and an exit code."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+
+import click
+import torch
+
+from trtllm_dflash.errors import InputError, MissingDependencyError
+
+
+def clean_errors(command: Callable) -> Callable:
+    """Bad input exits 2 and a missing optional dependency exits 3, with a message, never a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (InputError, MissingDependencyError) as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+
+    return wrapper
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError("CUDA was asked for but no CUDA device is available here.", field="--device")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """fp32 on CPU (exact and fast enough for small models), bf16 on GPUs."""
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]

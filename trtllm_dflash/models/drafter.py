@@ -1,0 +1,283 @@
+"""The DFlash block-diffusion drafter (z-lab `DFlashDraftModel` layout), written for the loop.
+
+A stack of Qwen3-style decoder layers without embeddings or LM head (it borrows the target's).
+Target features of committed tokens are fused (`fc` -> `hidden_norm`) and injected as extra K/V in
+every layer; a block [anchor, MASK x (B-1)] attends bidirectionally to that context and to itself,
+and slots 1..B-1 predict the tokens at their own positions (dflash-algorithm.md §2).
+
+Context K/V is computed once per committed token (`write_context`) and cached in a per-request
+arena; the block's own K/V never enters the cache, so rejected drafts cannot pollute it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Qwen3Config
+
+from ..checkpoints.hf import load_state_dict, read_json, require
+from ..errors import InputError
+from .kv_cache import KVArena
+from .rope import Rotary, apply_rotary
+from .target import sink_attention
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """z-lab's fallback when a config has no `target_layer_ids`: spread over [1, L-3]."""
+    if num_features == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    attention_bias: bool = False
+    max_position_embeddings: int = 131072
+    vocab_size: int | None = None
+    hidden_act: str = "silu"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_json(cls, path: Path) -> "DFlashConfig":
+        return cls.from_dict(read_json(path), path)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], path: Path | str = "config.json") -> "DFlashConfig":
+        path = Path(path)
+        ints = {k: require(raw, k, int, path) for k in
+                ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "intermediate_size", "block_size", "num_target_layers")}
+        head_dim = raw.get("head_dim") or ints["hidden_size"] // ints["num_attention_heads"]
+        dflash = raw.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise InputError("expected an object.", path=path, field="dflash_config")
+        if "mask_token_id" in dflash:
+            mask_token_id = require(dflash, "mask_token_id", int, path)
+        elif "mask_token_id" in raw:  # configs from before z-lab moved it into dflash_config
+            mask_token_id = require(raw, "mask_token_id", int, path)
+        else:
+            raise InputError("missing; the drafter needs the id of its mask token.", path=path,
+                             field="dflash_config.mask_token_id")
+        if "target_layer_ids" in dflash:
+            layer_ids = dflash["target_layer_ids"]
+            if not (isinstance(layer_ids, list) and layer_ids and all(type(i) is int for i in layer_ids)):
+                raise InputError(f"expected a non-empty list of ints, got {layer_ids!r}.", path=path,
+                                 field="dflash_config.target_layer_ids")
+        else:
+            layer_ids = default_target_layer_ids(ints["num_target_layers"], ints["num_hidden_layers"])
+        hidden_act = raw.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise InputError(f"only 'silu' is supported, got {hidden_act!r}.", path=path, field="hidden_act")
+        rope_scaling = raw.get("rope_scaling")
+        if rope_scaling is not None and not isinstance(rope_scaling, dict):
+            raise InputError("expected an object or null.", path=path, field="rope_scaling")
+        known = set(cls.__dataclass_fields__) | {"dflash_config"}
+        config = cls(
+            **ints, head_dim=int(head_dim), mask_token_id=mask_token_id, target_layer_ids=list(layer_ids),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_scaling=rope_scaling, attention_bias=bool(raw.get("attention_bias", False)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 131072)),
+            vocab_size=raw.get("vocab_size"), hidden_act=hidden_act,
+            extra={k: v for k, v in raw.items() if k not in known},
+        )
+        config.check(path)
+        return config
+
+    def check(self, path: Path | str) -> None:
+        """Internal consistency; fit with a particular target is checked in `checkpoints.validate`."""
+        if self.block_size < 2:
+            raise InputError(f"must be at least 2 (anchor + one draft), got {self.block_size}.",
+                             path=path, field="block_size")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise InputError(f"{self.num_attention_heads} query heads are not a multiple of "
+                             f"{self.num_key_value_heads} KV heads.", path=path, field="num_key_value_heads")
+        if self.head_dim % 2:
+            raise InputError(f"RoPE needs an even head_dim, got {self.head_dim}.", path=path, field="head_dim")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The z-lab config.json form (what TensorRT-LLM's DFlash loader and ours read)."""
+        out = dict(self.extra)
+        out.update({k: v for k, v in asdict(self).items()
+                    if k not in ("mask_token_id", "target_layer_ids", "extra") and v is not None})
+        out["dflash_config"] = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        out.setdefault("architectures", ["DFlashDraftModel"])
+        out.setdefault("model_type", "qwen3")
+        return out
+
+    def rope_config(self) -> Qwen3Config:
+        return Qwen3Config(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                           rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+                           max_position_embeddings=self.max_position_embeddings)
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.head_dim = d
+
+    def heads(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """[b, t, H*D] -> [b, H, t, D], with the per-head RMSNorm (QK-norm) when given."""
+        x = x.view(*x.shape[:2], -1, self.head_dim)
+        return (x if norm is None else norm(x)).transpose(1, 2)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary(self.heads(self.k_proj(x), self.k_norm), cos, sin), self.heads(self.v_proj(x))
+
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(self.heads(self.q_proj(x), self.q_norm), cos, sin)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DraftMLP(cfg)
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.rope_config())
+        self.scale = cfg.head_dim ** -0.5
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def new_cache(self, batch: int, capacity: int) -> KVArena:
+        cfg = self.config
+        return KVArena(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, capacity, cfg.head_dim,
+                       self.dtype, self.fc.weight.device)
+
+    @torch.inference_mode()
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor, cache: KVArena) -> None:
+        """Project target features [b, n, F] of committed tokens at `positions` [b, n] into every
+        layer's context K/V. Done once per committed token; never recomputed."""
+        fused = self.hidden_norm(self.fc(features.to(self.dtype)))
+        cos, sin = self.rotary(positions, fused.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.keys_values(fused, cos, sin)
+            cache.write(i, positions, k, v)
+
+    @torch.inference_mode()
+    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, cache: KVArena,
+                context_lens: torch.Tensor) -> torch.Tensor:
+        """Draft one block per request: embeds [b, B, H] at positions [b, B]; request i sees its
+        context positions [0, context_lens[i]). Returns the final-normed hidden states [b, B, H]."""
+        x = block_embeds.to(self.dtype)
+        b, width, _ = x.shape
+        cos, sin = self.rotary(block_positions, x.dtype)
+        ctx_len = int(context_lens.max()) if b else 0
+        visible = torch.arange(ctx_len, device=x.device) < context_lens[:, None]
+        mask = torch.cat([visible, visible.new_ones(b, width)], dim=1)[:, None].expand(b, width, -1)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.query(h, cos, sin)
+            k, v = attn.keys_values(h, cos, sin)
+            ctx_k, ctx_v = cache.read(i, ctx_len)
+            out = sink_attention(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask, None, self.scale)
+            x = x + attn.o_proj(out)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+
+def normalize_drafter_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Accept z-lab names with or without a `model.` prefix."""
+    return {k.removeprefix("model."): v for k, v in state.items()}
+
+
+def load_drafter(directory: str | Path, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    cfg = DFlashConfig.from_json(config_path)
+    state = normalize_drafter_keys(load_state_dict(directory))
+    model = DFlashDrafter(cfg)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    weights_file = directory / "model.safetensors"
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise InputError(f"missing {len(missing)} tensor(s), e.g. {missing[:3]}; the drafter config "
+                         f"({config_path.name}) expects them.", path=weights_file)
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != tuple(shape):
+            raise InputError(f"shape {tuple(state[name].shape)} does not match {tuple(shape)} implied by "
+                             f"{config_path.name}.", path=weights_file, field=name)
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise InputError(f"{len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]} (a DFlash drafter has "
+                         "no embeddings or LM head of its own).", path=weights_file)
+    model.load_state_dict({k: state[k] for k in expected})
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def save_drafter(model: DFlashDrafter, directory: str | Path) -> Path:
+    """Write the z-lab layout: config.json + model.safetensors (no `model.` prefix)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory

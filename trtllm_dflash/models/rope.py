@@ -1,0 +1,41 @@
+"""Rotary position embedding with Hugging Face semantics (default, YaRN, ...).
+
+The inverse frequencies and the attention factor come from transformers' own RoPE initialisers, so
+a drafter or target built here rotates exactly as the checkpoint's reference code does. YaRN folds
+its attention factor into cos/sin, which scales both q and k.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+class Rotary(torch.nn.Module):
+    """cos/sin tables for absolute positions; rotation pairs dimension j with j + head_dim/2."""
+
+    def __init__(self, hf_config: PretrainedConfig):
+        super().__init__()
+        params = hf_config.rope_parameters
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+            inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [...] -> cos, sin [..., head_dim/2] (angles in float32, then cast)."""
+        angles = positions[..., None].float() * self.inv_freq
+        return (angles.cos() * self.attention_scaling).to(dtype), (angles.sin() * self.attention_scaling).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, t, D]; cos/sin [b, t, D/2] (rotate-half pairing, as HF GptOss and Qwen3)."""
+    cos, sin = cos[:, None], sin[:, None]
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)

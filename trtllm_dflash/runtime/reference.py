@@ -1,0 +1,182 @@
+"""The PyTorch reference runtime: the batched, lossless DFlash draft-verify loop.
+
+gpt-fast style: `prefill`, `verify_step` and `generate_batch` are small functions over plain
+tensors; `ReferenceRuntime` only chunks prompts into batches. With no proposer the same loop is
+the autoregressive baseline (a block of width 1), so both paths share every line of bookkeeping.
+
+Per step, for the b active requests (anchor = newest committed token at position s):
+  1. the proposer drafts K tokens for positions s+1..s+K;
+  2. the target runs [anchor, drafts] at positions s..s+K in one pass (writing its K/V);
+  3. the verification rule keeps a drafts and adds one bonus token (greedy or rejection sampling);
+  4. the target cache rolls back to s+a+1 for free (lengths move; stale K/V is overwritten later),
+     and the proposer receives the features of the a+1 committed positions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..errors import InputError
+from ..models.target import GptOssTarget
+from .accept import greedy_accept, rejection_accept, sample_from_probs
+from .proposers import Proposer
+from .sampling import SamplingParams, probabilities
+from .stats import GenerationResult, RequestStats
+
+OnTokens = Callable[[int, list[int]], None]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def pick_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """The target's own choice from logits [b, V]: argmax, or a sample."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    uniforms = torch.rand(logits.shape[:-1], generator=generator, device=logits.device)
+    return sample_from_probs(probabilities(logits, params), uniforms)
+
+
+def prefill(target: GptOssTarget, prompts: Sequence[Sequence[int]], feature_layers: list[int], capacity: int):
+    """Run right-padded prompts; returns (cache, last-position logits [b, V], features [b, L, F], lens)."""
+    device = target.device
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    tokens = torch.zeros(len(prompts), int(lens.max()), dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        tokens[row, : len(prompt)] = torch.tensor(prompt, device=device)
+    positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+    cache = target.new_cache(len(prompts), capacity)
+    logits, features = target(tokens, positions, cache, feature_layers, logit_index=lens - 1)
+    return cache, logits, features, lens
+
+
+def verify_step(target: GptOssTarget, cache, proposer: Proposer | None, anchors: torch.Tensor,
+                positions: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+                step_times: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draft, verify and accept one block per request -> (drafts [b, K], num_accepted [b], bonus [b])."""
+    device = anchors.device
+    start = time.perf_counter()
+    if proposer is None:
+        drafts, q = anchors.new_zeros(len(anchors), 0), None
+    else:
+        drafts, q = proposer.propose(anchors, positions, params, generator)
+    synchronize(device)
+    drafted = time.perf_counter()
+    block = torch.cat([anchors[:, None], drafts], dim=1)
+    block_positions = positions[:, None] + torch.arange(block.shape[1], device=device)
+    feature_layers = proposer.feature_layers if proposer is not None else []
+    logits, features = target(block, block_positions, cache, feature_layers)
+    if params.greedy:
+        num_accepted, bonus = greedy_accept(drafts, logits.argmax(dim=-1))
+    else:
+        p = probabilities(logits, params)
+        if q is None:  # deterministic drafts: q is one-hot at the draft token
+            q = torch.nn.functional.one_hot(drafts, p.shape[-1]).to(p.dtype)
+        uniforms = torch.rand(block.shape, generator=generator, device=device)
+        num_accepted, bonus = rejection_accept(drafts, q, p, uniforms)
+    if proposer is not None:
+        proposer.commit(features, num_accepted)
+    synchronize(device)
+    step_times["draft"] += drafted - start
+    step_times["verify"] += time.perf_counter() - drafted
+    return drafts, num_accepted, bonus
+
+
+@torch.inference_mode()
+def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Sequence[Sequence[int]],
+                   params: SamplingParams, on_tokens: OnTokens | None = None,
+                   step_times: dict[str, float] | None = None) -> list[GenerationResult]:
+    """Generate for one batch of prompts until every request stops or reaches max_tokens."""
+    device = target.device
+    block_size = 1 if proposer is None else proposer.num_drafts + 1
+    step_times = step_times if step_times is not None else {"draft": 0.0, "verify": 0.0}
+    generator = torch.Generator(device=device).manual_seed(params.seed)
+    stops = set(params.stop_token_ids)
+    capacity = max(len(p) for p in prompts) + params.max_tokens + block_size
+    stats = [RequestStats(block_size) for _ in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    finish: list[str | None] = [None] * len(prompts)
+
+    def commit(request: int, new_tokens: list[int]) -> None:
+        taken = []
+        for token in new_tokens:
+            taken.append(token)
+            if token in stops:
+                finish[request] = "stop"
+                break
+            if len(outputs[request]) + len(taken) >= params.max_tokens:
+                finish[request] = "length"
+                break
+        outputs[request].extend(taken)
+        if on_tokens is not None:
+            on_tokens(request, taken)
+
+    synchronize(device)
+    start = time.perf_counter()
+    feature_layers = proposer.feature_layers if proposer is not None else []
+    cache, logits, features, lens = prefill(target, prompts, feature_layers, capacity)
+    first = pick_tokens(logits, params, generator)
+    if proposer is not None:
+        proposer.start(features, lens, capacity)
+    synchronize(device)
+    prefill_done = time.perf_counter()
+    for request, token in enumerate(first.tolist()):
+        stats[request].prefill_time = prefill_done - start
+        commit(request, [token])
+
+    rows = list(range(len(prompts)))  # batch row -> request index
+    anchors, positions = first, lens
+    while True:
+        keep = [i for i, request in enumerate(rows) if finish[request] is None]
+        if len(keep) < len(rows):
+            now = time.perf_counter()
+            for request in rows:
+                if finish[request] is not None:
+                    stats[request].decode_time = now - prefill_done
+            if not keep:
+                break
+            index = torch.tensor(keep, device=device)
+            cache.keep_rows(index)
+            if proposer is not None:
+                proposer.keep_rows(index)
+            rows = [rows[i] for i in keep]
+            anchors, positions = anchors[index], positions[index]
+        drafts, num_accepted, bonus = verify_step(target, cache, proposer, anchors, positions, params, generator,
+                                                  step_times)
+        for request, a, draft_row, bonus_token in zip(rows, num_accepted.tolist(), drafts.tolist(), bonus.tolist()):
+            stats[request].record_step(a)
+            commit(request, draft_row[:a] + [bonus_token])
+        anchors, positions = bonus, positions + num_accepted + 1
+
+    for request, result_stats in enumerate(stats):
+        result_stats.num_output_tokens = len(outputs[request])
+    return [GenerationResult(list(p), outputs[r], finish[r], stats[r]) for r, p in enumerate(prompts)]
+
+
+class ReferenceRuntime:
+    """Runs prompts through the loop in batches of `batch_size` (static batching, input order)."""
+
+    def __init__(self, target: GptOssTarget, proposer: Proposer | None):
+        self.target, self.proposer = target, proposer
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, batch_size: int = 1,
+                 on_tokens: OnTokens | None = None) -> list[GenerationResult]:
+        if batch_size < 1:
+            raise InputError(f"expected at least 1, got {batch_size}.", field="batch_size")
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise InputError(f"prompt {i} is empty; at least one token is needed.", field="prompt")
+            if max(prompt) >= self.target.vocab_size or min(prompt) < 0:
+                raise InputError(f"prompt {i} has token ids outside [0, {self.target.vocab_size}).", field="prompt")
+        results: list[GenerationResult] = []
+        self.step_times = {"draft": 0.0, "verify": 0.0}
+        for first in range(0, len(prompts), batch_size):
+            chunk = prompts[first: first + batch_size]
+            callback = None if on_tokens is None else (lambda r, toks, base=first: on_tokens(base + r, toks))
+            results.extend(generate_batch(self.target, self.proposer, chunk, params, callback, self.step_times))
+        return results

@@ -1,0 +1,93 @@
+"""Acceptance and speed statistics, shared by every runtime backend.
+
+Per verify step a request keeps `a` drafts (0..block_size-1) and commits `a + 1` tokens.
+acceptance length (tau) = mean of a + 1 over steps; per-position acceptance k = fraction of steps
+whose draft k (1-based) was kept; the histogram counts steps by `a`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestStats:
+    block_size: int
+    accepted_histogram: list[int] = field(default_factory=list)
+    num_output_tokens: int = 0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+
+    def __post_init__(self):
+        if not self.accepted_histogram:
+            self.accepted_histogram = [0] * self.block_size
+
+    def record_step(self, num_accepted: int) -> None:
+        self.accepted_histogram[num_accepted] += 1
+
+    @property
+    def steps(self) -> int:
+        return sum(self.accepted_histogram)
+
+    @property
+    def acceptance_length(self) -> float:
+        steps = self.steps
+        return sum((a + 1) * n for a, n in enumerate(self.accepted_histogram)) / steps if steps else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        steps = self.steps
+        if not steps:
+            return [0.0] * (self.block_size - 1)
+        return [sum(self.accepted_histogram[k:]) / steps for k in range(1, self.block_size)]
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Tokens committed by decode steps (the first output token comes from prefill)."""
+        return max(self.num_output_tokens - 1, 0)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.num_decode_tokens / self.decode_time if self.decode_time > 0 else 0.0
+
+    def add_counts(self, other: "RequestStats") -> None:
+        """Accumulate another request's histogram and token count (times are combined by the caller)."""
+        for a, n in enumerate(other.accepted_histogram):
+            self.accepted_histogram[a] += n
+        self.num_output_tokens += other.num_output_tokens
+
+    def to_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "acceptance_length": self.acceptance_length,
+            "acceptance_histogram": list(self.accepted_histogram),
+            "per_position_acceptance": self.per_position_acceptance,
+            "num_output_tokens": self.num_output_tokens,
+            "prefill_time_s": self.prefill_time,
+            "decode_time_s": self.decode_time,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+        }
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    stats: RequestStats
+
+
+def total_stats(results: list[GenerationResult], batch_size: int) -> RequestStats:
+    """Totals over a run whose requests were decoded `batch_size` at a time, in order.
+
+    Requests of one batch share the clock, so a batch's time is its slowest request's and batches
+    add up: decode tokens/s of the total is then the run's real throughput.
+    """
+    total = RequestStats(max(r.stats.block_size for r in results))
+    for first in range(0, len(results), batch_size):
+        batch = [r.stats for r in results[first: first + batch_size]]
+        for stats in batch:
+            total.add_counts(stats)
+        total.prefill_time += max(s.prefill_time for s in batch)
+        total.decode_time += max(s.decode_time for s in batch)
+    return total
