@@ -58,13 +58,16 @@ def load_hf_gpt_oss(directory: str | Path, device: str | torch.device = "cpu", d
     kwargs: dict[str, Any] = {}
     if (raw.get("quantization_config") or {}).get("quant_method") == "mxfp4":
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     try:
         model, info = GptOssForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="eager",
                                                         output_loading_info=True, **kwargs)
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     missing = sorted(info.get("missing_keys") or [])
     if missing:
         raise InputError(f"{len(missing)} weight(s) missing, e.g. {missing[:3]}.", path=files[0])

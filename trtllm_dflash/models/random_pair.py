@@ -102,3 +102,20 @@ def byte_level_chars() -> list[str]:
             chars[b] = chr(256 + extra)
             extra += 1
     return [chars[b] for b in range(256)]
+
+
+def main() -> None:
+    """`python -m trtllm_dflash.models.random_pair DIR`: write DIR/target (with a byte tokenizer) and
+    DIR/drafter, a random pair for trying the tools on any machine (acceptance is meaningless)."""
+    import sys
+
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else "random_pair")
+    config = tiny_target_config()
+    save_random_target(root / "target", config)
+    save_byte_tokenizer(root / "target")
+    save_random_drafter(root / "drafter", drafter_config_for(config))
+    print(f"wrote {root / 'target'} and {root / 'drafter'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""dflash-run end to end on a tiny random pair, and its errors for bad input (exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from trtllm_dflash.cli.run import main as run_main
+
+
+def invoke(*args):
+    return CliRunner().invoke(run_main, [str(a) for a in args])
+
+
+def test_json_output_and_baseline(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n" + json.dumps({"prompt_token_ids": [5, 6, 7]}) + "\n")
+    result = invoke("--target", target, "--drafter", drafter, "--prompt", "import os", "--prompts-file", prompts,
+                    "--max-tokens", 12, "--batch-size", 2, "--baseline", "--json")
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(records) == 3
+    required = {"prompt", "prompt_token_ids", "output_token_ids", "text", "num_output_tokens", "steps",
+                "acceptance_length", "acceptance_histogram", "decode_tokens_per_s", "baseline_output_token_ids",
+                "baseline_decode_tokens_per_s", "speedup", "matches_baseline"}
+    for record in records:
+        assert required <= set(record)
+        assert record["matches_baseline"] is True
+        assert record["num_output_tokens"] == len(record["output_token_ids"]) <= 12
+        assert len(record["acceptance_histogram"]) == 4
+    assert records[2]["prompt_token_ids"] == [5, 6, 7]
+
+
+def test_text_prompts_file_and_human_report(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt\nsecond prompt\n")
+    result = invoke("--target", target, "--drafter", drafter, "--prompts-file", prompts, "--max-tokens", 6,
+                    "--temperature", 0.8, "--top-p", 0.9, "--block-size", 3)
+    assert result.exit_code == 0, result.output
+    assert "acceptance length" in result.output and "second prompt" in result.output
+
+
+def copy_pair(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    shutil.copytree(target, tmp_path / "target")
+    shutil.copytree(drafter, tmp_path / "drafter")
+    return tmp_path / "target", tmp_path / "drafter"
+
+
+def edit_config(directory, **changes):
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if "." in key:
+            outer, inner = key.split(".")
+            config[outer][inner] = value
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+
+
+BAD_CONFIGS = {
+    "hidden": ("drafter", {"hidden_size": 32}, "hidden_size"),
+    "layer ids": ("drafter", {"dflash_config.target_layer_ids": [1, 9]}, "target_layer_ids"),
+    "mask id": ("drafter", {"dflash_config.mask_token_id": 9999}, "mask_token_id"),
+    "block": ("drafter", {"block_size": 1}, "block_size"),
+    "vocab": ("drafter", {"vocab_size": 300}, "vocab_size"),
+    "target layers": ("drafter", {"num_target_layers": 8}, "num_target_layers"),
+    "fc width": ("drafter", {"dflash_config.target_layer_ids": [0, 1, 2]}, "fc.weight"),
+    "not gpt-oss": ("target", {"model_type": "llama"}, "model_type"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_mismatched_pair_is_a_clear_error(tiny_pair, tmp_path, case):
+    target, drafter = copy_pair(tiny_pair, tmp_path)
+    which, changes, field = BAD_CONFIGS[case]
+    edit_config(drafter if which == "drafter" else target, **changes)
+    result = invoke("--target", target, "--drafter", drafter, "--prompt", "x", "--max-tokens", 2)
+    assert result.exit_code == 2, result.output
+    assert field in result.output
+    assert "config.json" in result.output or "safetensors" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_missing_and_truncated_weights(tiny_pair, tmp_path):
+    target, drafter = copy_pair(tiny_pair, tmp_path)
+    weights = drafter / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    result = invoke("--target", target, "--drafter", drafter, "--prompt", "x")
+    assert result.exit_code == 2 and "model.safetensors" in result.output and "truncated" in result.output
+    weights.unlink()
+    result = invoke("--target", target, "--drafter", drafter, "--prompt", "x")
+    assert result.exit_code == 2 and "no weights found" in result.output
+
+
+def test_missing_tokenizer_only_matters_for_text(tiny_pair, tmp_path):
+    target, drafter = copy_pair(tiny_pair, tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (target / name).unlink()
+    result = invoke("--target", target, "--drafter", drafter, "--prompt", "hello")
+    assert result.exit_code == 2 and "tokenizer.json" in result.output
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text(json.dumps({"prompt_token_ids": [1, 2, 3]}) + "\n")
+    assert invoke("--target", target, "--drafter", drafter, "--prompts-file", ids, "--max-tokens", 3).exit_code == 0
+
+
+def test_bad_options(tiny_pair):
+    target, drafter = tiny_pair
+    assert "block_size" in invoke("--target", target, "--drafter", drafter, "--prompt", "x", "--block-size", 9).output
+    result = invoke("--target", target, "--drafter", drafter, "--prompt", "x", "--top-p", 0)
+    assert result.exit_code == 2 and "top_p" in result.output
+    result = invoke("--target", target, "--drafter", drafter)
+    assert result.exit_code == 2 and "no prompts" in result.output
