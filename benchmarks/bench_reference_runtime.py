@@ -61,7 +61,8 @@ def main() -> None:
                for _ in range(args.prompts)]
     params = SamplingParams(max_tokens=args.max_tokens)
     runtimes = {"dflash": ReferenceRuntime(target, DFlashProposer(drafter, target)), "ar": ReferenceRuntime(target, None)}
-    runtimes["ar"].generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
+    for runtime in runtimes.values():
+        runtime.warm_up(prompts[0])
     rates: dict[str, list[float]] = {name: [] for name in runtimes}
     for _ in range(args.repeats):
         for name, runtime in runtimes.items():

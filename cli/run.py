@@ -93,9 +93,13 @@ def main(target_dir, drafter_dir, prompt_texts, prompts_file, max_tokens, temper
     torch_dtype = resolve_dtype(dtype, torch_device)
     target = GptOssTarget(load_hf_gpt_oss(target_dir, torch_device, torch_dtype))
     drafter = load_drafter(drafter_dir, torch_device, torch_dtype)
-    results = ReferenceRuntime(target, DFlashProposer(drafter, target, block_size)).generate(
-        prompt_ids, params, batch_size)
-    baselines = ReferenceRuntime(target, None).generate(prompt_ids, params, batch_size) if baseline else None
+    runtimes = [ReferenceRuntime(target, DFlashProposer(drafter, target, block_size))]
+    if baseline:
+        runtimes.append(ReferenceRuntime(target, None))
+    for runtime in runtimes:
+        runtime.warm_up(prompt_ids[0])
+    results, *rest = [runtime.generate(prompt_ids, params, batch_size) for runtime in runtimes]
+    baselines = rest[0] if rest else None
 
     decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: None)
     records = []

@@ -123,3 +123,23 @@ def test_published_gpt_oss_120b_config_parses():
     assert cfg.to_dict()["dflash_config"] == raw["dflash_config"]
     with pytest.raises(InputError, match="dflash_config.mask_token_id"):
         DFlashConfig.from_dict({k: v for k, v in raw.items() if k != "dflash_config"})
+
+
+def test_plugin_switch_matches_plain_path(drafter):
+    """The drafter's block attention through the draft-block custom op equals the plain path,
+    with ragged contexts (including an empty one) in one batch."""
+    cfg = drafter.config
+    b, width, cap = 3, cfg.block_size, 24
+    cache = drafter.new_cache(b, cap)
+    features = torch.randn(b, 12, len(cfg.target_layer_ids) * cfg.hidden_size)
+    drafter.write_context(features, torch.arange(12).expand(b, -1), cache)
+    lens = torch.tensor([12, 0, 7])
+    block = torch.randn(b, width, cfg.hidden_size)
+    positions = lens[:, None] + torch.arange(width)
+    plain = drafter(block, positions, cache, lens)
+    drafter.use_plugin = True
+    try:
+        plugged = drafter(block, positions, cache, lens)
+    finally:
+        drafter.use_plugin = False
+    torch.testing.assert_close(plugged, plain, rtol=1e-5, atol=1e-5)

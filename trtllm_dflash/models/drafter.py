@@ -196,6 +196,23 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.rope_config())
         self.scale = cfg.head_dim ** -0.5
+        self.use_plugin = False  # True: block attention through the draft-block plugin's custom op
+
+    def block_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVArena,
+                        context_lens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Block queries [b, Hq, B, D] over the request's context K/V and the block's own -> [b, B, Hq*D]."""
+        b, hq, width, d = q.shape
+        if self.use_plugin:
+            from trtllm_dflash.plugins.draft_block import draft_block_attention
+
+            def packed(x):
+                return x.transpose(1, 2).reshape(b * width, x.shape[1], d)
+
+            out = draft_block_attention(packed(q), packed(k), packed(v), cache.k[layer], cache.v[layer],
+                                        context_lens, self.scale)
+            return out.view(b, width, hq * d)
+        ctx_k, ctx_v = cache.read(layer, mask.shape[-1] - width)
+        return sink_attention(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask, None, self.scale)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -232,9 +249,7 @@ class DFlashDrafter(nn.Module):
             h = layer.input_layernorm(x)
             q = attn.query(h, cos, sin)
             k, v = attn.keys_values(h, cos, sin)
-            ctx_k, ctx_v = cache.read(i, ctx_len)
-            out = sink_attention(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask, None, self.scale)
-            x = x + attn.o_proj(out)
+            x = x + attn.o_proj(self.block_attention(i, q, k, v, cache, context_lens, mask))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 

@@ -164,6 +164,11 @@ class ReferenceRuntime:
     def __init__(self, target: GptOssTarget, proposer: Proposer | None):
         self.target, self.proposer = target, proposer
 
+    def warm_up(self, prompt: Sequence[int]) -> None:
+        """One short untimed generation: first calls pay one-time allocation and dispatch costs
+        that would otherwise land in the first measured run."""
+        generate_batch(self.target, self.proposer, [prompt], SamplingParams(max_tokens=3))
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, batch_size: int = 1,
                  on_tokens: OnTokens | None = None) -> list[GenerationResult]:
         if batch_size < 1:
