@@ -15,18 +15,17 @@ Per step, for the b active requests (anchor = newest committed token at position
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from ..errors import InputError
 from ..models.target import GptOssTarget
 from .accept import greedy_accept, rejection_accept, sample_from_probs
+from .interface import OnTokens
 from .proposers import Proposer
 from .sampling import SamplingParams, probabilities
 from .stats import GenerationResult, RequestStats
-
-OnTokens = Callable[[int, list[int]], None]
 
 
 def synchronize(device: torch.device) -> None:
@@ -160,6 +159,8 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
 
 class ReferenceRuntime:
     """Runs prompts through the loop in batches of `batch_size` (static batching, input order)."""
+
+    backend = "reference"
 
     def __init__(self, target: GptOssTarget, proposer: Proposer | None):
         self.target, self.proposer = target, proposer

@@ -1,0 +1,56 @@
+"""One small interface for every runtime backend, and the choice between them.
+
+A runtime generates for a list of tokenized prompts, streams committed tokens through an optional
+callback, and returns per-request `GenerationResult`s with `RequestStats`, whichever engine ran it,
+so outputs and statistics are comparable across backends.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from ..errors import InputError
+from .sampling import SamplingParams
+from .stats import GenerationResult
+
+OnTokens = Callable[[int, list[int]], None]  # (request index, newly committed tokens)
+
+BACKENDS = ("auto", "trtllm", "reference")
+
+
+class Runtime(Protocol):
+    backend: str
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, batch_size: int = 1,
+                 on_tokens: OnTokens | None = None) -> list[GenerationResult]: ...
+
+
+def cuda_device_capability() -> tuple[int, int] | None:
+    import torch
+
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+def choose_backend(requested: str, trtllm_importable: bool | None = None,
+                   capability: tuple[int, int] | None | str = "probe") -> tuple[str, str]:
+    """-> (backend, reason). auto = TensorRT-LLM when it is importable and a supported GPU (SM90+:
+    Hopper or Blackwell, where TensorRT-LLM runs gpt-oss) is present, else the reference runtime."""
+    if requested not in BACKENDS:
+        raise InputError(f"expected one of {', '.join(BACKENDS)}, got {requested!r}.", field="--backend")
+    if requested == "reference":
+        return "reference", "asked for"
+    if trtllm_importable is None:
+        trtllm_importable = importlib.util.find_spec("tensorrt_llm") is not None
+    if capability == "probe":
+        capability = cuda_device_capability()
+    if requested == "trtllm":
+        return "trtllm", "asked for"
+    if not trtllm_importable:
+        return "reference", "tensorrt_llm is not installed"
+    if capability is None:
+        return "reference", "no CUDA GPU"
+    if capability < (9, 0):
+        return "reference", f"GPU compute capability {capability[0]}.{capability[1]} < 9.0"
+    return "trtllm", f"tensorrt_llm and an SM{capability[0]}{capability[1]} GPU are present"
