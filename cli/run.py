@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -10,6 +11,8 @@ import click
 from trtllm_dflash.errors import InputError
 
 from .common import clean_errors, resolve_device, resolve_dtype
+
+EXIT_INTERRUPTED = 130  # the shell convention for SIGINT
 
 
 def read_prompts_file(path: Path) -> list[str | list[int]]:
@@ -49,13 +52,152 @@ def load_tokenizer(target_dir: Path):
     return AutoTokenizer.from_pretrained(target_dir)
 
 
+def encode_prompts(prompts: list[str | list[int]], tokenizer, chat: bool, target_dir: Path) -> list[list[int]]:
+    """Token ids per prompt; with --chat, text goes through the target tokenizer's chat template."""
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise InputError("--chat needs a chat template in the target tokenizer's config, and there is none.",
+                         path=target_dir / "tokenizer_config.json", field="chat_template")
+    encoded = []
+    for prompt in prompts:
+        if not isinstance(prompt, str):
+            encoded.append(prompt)
+        elif chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                tokenize=True)
+            encoded.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+        else:
+            encoded.append(tokenizer.encode(prompt))
+    return encoded
+
+
+def resolve_pair(engine_dir: Path | None, target_dir: Path | None, drafter_dir: Path | None,
+                 verify: bool) -> tuple[Path, Path, Path | None]:
+    """(target, drafter, engine root or None) from ENGINE_DIR, --target/--drafter, or the embedded default."""
+    if engine_dir is not None:
+        if target_dir or drafter_dir:
+            raise InputError("give either ENGINE_DIR or --target/--drafter, not both.", field="ENGINE_DIR")
+        from trtllm_dflash.engine import open_engine
+
+        engine = open_engine(engine_dir, verify_checksums=verify)
+        return engine.target_dir, engine.drafter_dir, engine.root
+    if target_dir and drafter_dir:
+        return target_dir, drafter_dir, None
+    if target_dir or drafter_dir:
+        raise InputError("--target and --drafter go together.", field="--drafter" if target_dir else "--target")
+    from trtllm_dflash.embedded import pair_paths
+
+    target_dir, drafter_dir = pair_paths()
+    return target_dir, drafter_dir, None
+
+
+class StreamPrinter:
+    """Prints committed text as it arrives, in prompt order: the lowest unprinted request streams
+    live, later ones are buffered until the batch returns."""
+
+    def __init__(self, tokenizer, prompts: list[str | list[int]]):
+        self.tokenizer, self.prompts = tokenizer, prompts
+        self.tokens: dict[int, list[int]] = {}
+        self.shown: dict[int, str] = {}
+        self.live = 0
+
+    def text(self, request: int) -> str:
+        ids = self.tokens.get(request, [])
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else " ".join(map(str, ids)) + " "
+
+    def header(self, request: int) -> None:
+        prompt = self.prompts[request]
+        click.echo(click.style(f"\n--- prompt {request} ---\n", bold=True) + (prompt if isinstance(prompt, str) else ""))
+
+    def on_tokens(self, request: int, tokens: list[int]) -> None:
+        self.tokens.setdefault(request, []).extend(tokens)
+        if request == self.live:
+            if request not in self.shown:
+                self.header(request)
+                self.shown[request] = ""
+            self.flush(request, final=False)
+
+    def flush(self, request: int, final: bool) -> None:
+        text = self.text(request)
+        if not final and text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its bytes
+            return
+        click.echo(text[len(self.shown.get(request, "")):], nl=False)
+        sys.stdout.flush()
+        self.shown[request] = text
+
+    def finish_through(self, last_request: int) -> None:
+        """Everything up to `last_request` is done: print what was buffered, move the live cursor."""
+        while self.live <= last_request:
+            if self.live not in self.shown:
+                self.header(self.live)
+            self.flush(self.live, final=True)
+            click.echo()
+            self.live += 1
+
+
+def json_record(prompt, result, tokenizer, baseline=None) -> dict:
+    stats = result.stats
+    record = {
+        "prompt": prompt if isinstance(prompt, str) else None,
+        "prompt_token_ids": result.prompt_token_ids,
+        "output_token_ids": result.output_token_ids,
+        "text": tokenizer.decode(result.output_token_ids) if tokenizer is not None else None,
+        "finish_reason": result.finish_reason,
+        "num_output_tokens": len(result.output_token_ids),
+        **{k: v for k, v in stats.to_dict().items() if k != "num_output_tokens"},
+    }
+    if baseline is not None:
+        base_rate = baseline.stats.decode_tokens_per_s
+        record["baseline_output_token_ids"] = baseline.output_token_ids
+        record["baseline_decode_tokens_per_s"] = base_rate
+        record["speedup"] = stats.decode_tokens_per_s / base_rate if base_rate else None
+        record["matches_baseline"] = baseline.output_token_ids == result.output_token_ids
+    return record
+
+
+def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, drafter_dir: Path, draft_method: str,
+                  block_size: int | None, device: str, dtype: str, with_baseline: bool):
+    """The runtime(s) for this run: [main] or [main, autoregressive baseline]."""
+    if backend == "trtllm":
+        if engine_root is None:
+            raise InputError("the TensorRT-LLM backend runs engine directories; build one with dflash-build "
+                             "and pass it as ENGINE_DIR.", field="--backend")
+        if draft_method != "dflash" or with_baseline:
+            raise InputError("--draft-method ngram and --baseline run on the reference backend only.",
+                             field="--backend")
+        from trtllm_dflash.runtime.trtllm import TrtllmRuntime
+
+        return [TrtllmRuntime(engine_root)]
+    from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
+    from trtllm_dflash.models.drafter import load_drafter
+    from trtllm_dflash.models.target import GptOssTarget
+    from trtllm_dflash.runtime.proposers import DFlashProposer, NGramProposer
+    from trtllm_dflash.runtime.reference import ReferenceRuntime
+
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    target = GptOssTarget(load_hf_gpt_oss(target_dir, torch_device, torch_dtype))
+    if draft_method == "ngram":
+        from trtllm_dflash.models.drafter import DFlashConfig
+
+        width = block_size or DFlashConfig.from_json(drafter_dir / "config.json").block_size
+        proposer = NGramProposer(num_drafts=width - 1)
+    else:
+        proposer = DFlashProposer(load_drafter(drafter_dir, torch_device, torch_dtype), target, block_size)
+    runtimes = [ReferenceRuntime(target, proposer)]
+    if with_baseline:
+        runtimes.append(ReferenceRuntime(target, None))
+    return runtimes
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--target", "target_dir", type=click.Path(path_type=Path), required=True,
+@click.argument("engine_dir", required=False, type=click.Path(path_type=Path))
+@click.option("--target", "target_dir", type=click.Path(path_type=Path),
               help="gpt-oss checkpoint directory (HF layout, MXFP4 or plain experts).")
-@click.option("--drafter", "drafter_dir", type=click.Path(path_type=Path), required=True,
+@click.option("--drafter", "drafter_dir", type=click.Path(path_type=Path),
               help="DFlash drafter directory (z-lab layout).")
 @click.option("--prompt", "prompt_texts", multiple=True, help="Prompt text (repeatable).")
 @click.option("--prompts-file", type=click.Path(path_type=Path), help="Text lines or JSONL with a 'prompt' field.")
+@click.option("--chat", is_flag=True, help="Wrap text prompts in the target tokenizer's chat template.")
 @click.option("--max-tokens", default=64, show_default=True, help="Tokens to generate per prompt.")
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", default=1.0, show_default=True)
@@ -63,70 +205,85 @@ def load_tokenizer(target_dir: Path):
 @click.option("--seed", default=0, show_default=True)
 @click.option("--batch-size", default=1, show_default=True, help="Requests decoded together.")
 @click.option("--block-size", type=int, help="Verify block (anchor + drafts); at most the drafter's.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--draft-method", type=click.Choice(["dflash", "ngram"]), default="dflash", show_default=True,
+              help="ngram = prompt lookup, the draft-model-free baseline.")
+@click.option("--backend", type=click.Choice(["auto", "trtllm", "reference"]), default="auto", show_default=True)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (reference backend).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="auto = float32 on CPU, bfloat16 on GPU.")
 @click.option("--baseline", is_flag=True, help="Also run autoregressive decoding and compare.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt on stdout.")
+@click.option("--output", type=click.Path(path_type=Path), help="Also write the JSON records to this JSONL file.")
+@click.option("--stats-file", type=click.Path(path_type=Path), help="Per-step records (JSONL) for analysis.")
+@click.option("--no-stream", is_flag=True, help="Print texts at the end instead of as they are committed.")
+@click.option("--verify", is_flag=True, help="Check every file of ENGINE_DIR against its sha256 first.")
 @clean_errors
-def main(target_dir, drafter_dir, prompt_texts, prompts_file, max_tokens, temperature, top_p, top_k, seed,
-         batch_size, block_size, device, dtype, baseline, as_json):
-    """Run the DFlash draft-verify loop on prompts and report acceptance and speed."""
-    from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss, stop_token_ids
+def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, max_tokens, temperature, top_p,
+         top_k, seed, batch_size, block_size, draft_method, backend, device, dtype, baseline, as_json, output,
+         stats_file, no_stream, verify):
+    """Run the DFlash draft-verify loop on ENGINE_DIR (or --target/--drafter, or the embedded default)."""
+    from trtllm_dflash.checkpoints.gpt_oss import stop_token_ids
     from trtllm_dflash.checkpoints.validate import validate_pair
-    from trtllm_dflash.models.drafter import load_drafter
-    from trtllm_dflash.models.target import GptOssTarget
-    from trtllm_dflash.runtime.proposers import DFlashProposer
-    from trtllm_dflash.runtime.reference import ReferenceRuntime
+    from trtllm_dflash.runtime.interface import choose_backend
     from trtllm_dflash.runtime.sampling import SamplingParams
+    from trtllm_dflash.runtime.stats import GenerationInterrupted
 
+    target_dir, drafter_dir, engine_root = resolve_pair(engine_dir, target_dir, drafter_dir, verify)
     pair = validate_pair(target_dir, drafter_dir, block_size)
     prompts: list[str | list[int]] = list(prompt_texts) + (read_prompts_file(prompts_file) if prompts_file else [])
     if not prompts:
-        raise InputError("no prompts given; use --prompt TEXT or --prompts-file FILE.", field="--prompt")
-    tokenizer = load_tokenizer(target_dir) if any(isinstance(p, str) for p in prompts) else None
-    prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        from trtllm_dflash.embedded import heldout_prompts
+
+        prompts = heldout_prompts()
+    needs_text = chat or any(isinstance(p, str) for p in prompts)
+    tokenizer = load_tokenizer(target_dir) if needs_text or (target_dir / "tokenizer.json").is_file() else None
+    prompt_ids = encode_prompts(prompts, tokenizer, chat, target_dir)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             stop_token_ids=tuple(stop_token_ids(target_dir, pair.target_config)))
 
-    torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
-    target = GptOssTarget(load_hf_gpt_oss(target_dir, torch_device, torch_dtype))
-    drafter = load_drafter(drafter_dir, torch_device, torch_dtype)
-    runtimes = [ReferenceRuntime(target, DFlashProposer(drafter, target, block_size))]
-    if baseline:
-        runtimes.append(ReferenceRuntime(target, None))
+    chosen, reason = choose_backend(backend)
+    click.echo(f"backend: {chosen} ({reason})", err=True)
+    runtimes = build_runtime(chosen, engine_root, target_dir, drafter_dir, draft_method, block_size, device, dtype,
+                             baseline)
     for runtime in runtimes:
-        runtime.warm_up(prompt_ids[0])
-    results, *rest = [runtime.generate(prompt_ids, params, batch_size) for runtime in runtimes]
-    baselines = rest[0] if rest else None
+        if hasattr(runtime, "warm_up"):
+            runtime.warm_up(prompt_ids[0])
 
-    decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: None)
-    records = []
-    for i, (prompt, result) in enumerate(zip(prompts, results)):
-        stats = result.stats
-        record = {
-            "prompt": prompt if isinstance(prompt, str) else None,
-            "prompt_token_ids": result.prompt_token_ids,
-            "output_token_ids": result.output_token_ids,
-            "text": decode(result.output_token_ids),
-            "finish_reason": result.finish_reason,
-            "num_output_tokens": len(result.output_token_ids),
-            **{k: v for k, v in stats.to_dict().items() if k != "num_output_tokens"},
-        }
-        if baselines is not None:
-            base = baselines[i]
-            record["baseline_output_token_ids"] = base.output_token_ids
-            record["baseline_decode_tokens_per_s"] = base.stats.decode_tokens_per_s
-            record["speedup"] = (stats.decode_tokens_per_s / base.stats.decode_tokens_per_s
-                                 if base.stats.decode_tokens_per_s else None)
-            record["matches_baseline"] = base.output_token_ids == result.output_token_ids
-        records.append(record)
+    stream = None if (as_json or no_stream) else StreamPrinter(tokenizer, prompts)
+    results, baselines, interrupted = [], None, False
+    try:
+        on_tokens = None if stream is None else stream.on_tokens
+        for first in range(0, len(prompt_ids), batch_size):
+            results += runtimes[0].generate(prompt_ids[first: first + batch_size], params, batch_size,
+                                            None if on_tokens is None else
+                                            (lambda r, toks, base=first: on_tokens(base + r, toks)))
+            if stream is not None:
+                stream.finish_through(len(results) - 1)
+        if len(runtimes) > 1:
+            baselines = runtimes[1].generate(prompt_ids, params, batch_size)
+    except GenerationInterrupted as stop:
+        results, interrupted = results + stop.results, True
+    except KeyboardInterrupt:
+        interrupted = True
+    if interrupted:
+        click.echo("\ninterrupted: statistics so far", err=True)
+        baselines = None
 
+    records = [json_record(p, r, tokenizer, b) for p, r, b in
+               zip(prompts, results, baselines or [None] * len(results))]
     if as_json:
         for record in records:
             click.echo(json.dumps(record))
-    else:
+    if output:
+        output.write_text("".join(json.dumps(record) + "\n" for record in records))
+    if stats_file:
+        stats_file.write_text("".join(
+            json.dumps({"request": i, "step": step, "accepted": a}) + "\n"
+            for i, result in enumerate(results) for step, a in enumerate(result.stats.accepted_per_step)))
+    if not as_json and results:
         from trtllm_dflash.runtime.report import print_report
 
-        print_report(records, results, baselines, device=str(torch_device), batch_size=batch_size)
+        print_report(records, results, baselines, backend=chosen, batch_size=batch_size,
+                     texts_already_shown=stream is not None)
+    if interrupted:
+        sys.exit(EXIT_INTERRUPTED)

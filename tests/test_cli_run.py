@@ -118,3 +118,70 @@ def test_bad_options(tiny_pair):
     assert result.exit_code == 2 and "top_p" in result.output
     result = invoke("--target", target, "--drafter", drafter)
     assert result.exit_code == 2 and "no prompts" in result.output
+
+
+def test_outputs_stats_file_and_ngram(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    out, steps = tmp_path / "out.jsonl", tmp_path / "steps.jsonl"
+    result = invoke("--target", target, "--drafter", drafter, "--prompt", "abcabcabc", "--prompt", "xyz",
+                    "--max-tokens", 10, "--draft-method", "ngram", "--output", out, "--stats-file", steps,
+                    "--no-stream")
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    step_records = [json.loads(line) for line in steps.read_text().splitlines()]
+    for i, record in enumerate(records):
+        mine = [s["accepted"] for s in step_records if s["request"] == i]
+        assert len(mine) == record["steps"]
+        assert [mine.count(a) for a in range(len(record["acceptance_histogram"]))] == record["acceptance_histogram"]
+
+
+def test_streamed_text_equals_final_text(tiny_pair):
+    target, drafter = tiny_pair
+    streamed = invoke("--target", target, "--drafter", drafter, "--prompt", "hello", "--prompt", "world",
+                      "--max-tokens", 12, "--batch-size", 2)
+    final = invoke("--target", target, "--drafter", drafter, "--prompt", "hello", "--prompt", "world",
+                   "--max-tokens", 12, "--batch-size", 2, "--json")
+    assert streamed.exit_code == 0 and final.exit_code == 0
+    texts = [json.loads(line)["text"] for line in final.stdout.splitlines()]
+    body = streamed.stdout.split("DFlash on the")[0]
+    positions = [body.index(text) for text in texts]
+    assert positions == sorted(positions)  # every final text appears, in prompt order
+
+
+def test_chat_template_applied_when_present(tiny_pair, tmp_path):
+    target, drafter = copy_pair(tiny_pair, tmp_path)
+    result = invoke("--target", target, "--drafter", drafter, "--prompt", "hi", "--chat")
+    assert result.exit_code == 2 and "chat_template" in result.output
+    config_path = target / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    config_path.write_text(json.dumps(config))
+    result = invoke("--target", target, "--drafter", drafter, "--prompt", "hi", "--chat", "--json", "--max-tokens", 2)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["prompt_token_ids"] == list(b"<user>hi<assistant>")
+
+
+def test_ctrl_c_prints_statistics_and_exits_130(tiny_pair):
+    """SIGINT to a running dflash-run: exit status 130, the summary so far, no traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    target, drafter = tiny_pair
+    code = "from trtllm_dflash.cli.run import main; main()"
+    proc = subprocess.Popen([sys.executable, "-u", "-c", code, "--target", str(target), "--drafter", str(drafter),
+                             "--prompt", "stream me", "--max-tokens", "100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    seen = ""
+    deadline = time.time() + 60
+    while "stream me" not in seen and time.time() < deadline:  # the prompt header precedes streamed tokens
+        seen += proc.stdout.read(1)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err + out
+    assert "acceptance length" in out

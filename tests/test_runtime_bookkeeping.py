@@ -35,8 +35,8 @@ class ScriptedProposer(DFlashProposer):
         self.checks = 0
         self.started = 0  # requests of earlier batches (batches run in input order)
 
-    def start(self, features, prompt_lens, capacity):
-        super().start(features, prompt_lens, capacity)
+    def start(self, prompts, features, prompt_lens, capacity):
+        super().start(prompts, features, prompt_lens, capacity)
         self.requests = list(range(self.started, self.started + len(prompt_lens)))
         self.started += len(prompt_lens)
 

@@ -7,7 +7,7 @@ import torch
 
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
-from trtllm_dflash.runtime.proposers import DFlashProposer
+from trtllm_dflash.runtime.proposers import DFlashProposer, NGramProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
 
@@ -74,3 +74,20 @@ def test_block_size_smaller_than_trained(setup):
     results = runtime.generate(prompts[:8], SamplingParams(max_tokens=MAX_TOKENS), batch_size=4)
     assert [r.output_token_ids for r in results] == expected[:8]
     assert all(len(r.stats.accepted_histogram) == 2 for r in results)
+
+
+def test_ngram_proposer_is_lossless_and_accepts_on_repetition(setup):
+    target, _, prompts, expected = setup
+    runtime = ReferenceRuntime(target, NGramProposer(num_drafts=3))
+    results = runtime.generate(prompts[:10], SamplingParams(max_tokens=MAX_TOKENS), batch_size=4)
+    assert [r.output_token_ids for r in results] == expected[:10]
+    # Random targets fall into loops, which prompt lookup predicts: some drafts must be accepted.
+    assert sum(sum(r.stats.accepted_histogram[1:]) for r in results) > 0
+
+
+def test_ngram_lookup_rules():
+    proposer = NGramProposer(num_drafts=3, max_ngram=2)
+    assert proposer.lookup([1, 2, 3, 9, 2, 3]) == [9, 2, 3]  # longest match "2 3" -> what followed it
+    assert proposer.lookup([5, 6, 7, 5]) == [6, 7, 5]
+    assert proposer.lookup([4, 8, 1]) == [1, 1, 1]  # no match: repeat the last token
+    assert proposer.lookup([7, 7]) == [7, 7, 7]  # a short tail is padded with its last token

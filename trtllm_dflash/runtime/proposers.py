@@ -21,7 +21,8 @@ class Proposer(Protocol):
     num_drafts: int  # drafts per block (block_size - 1)
     feature_layers: list[int]  # target layers whose outputs the proposer consumes
 
-    def start(self, features: torch.Tensor | None, prompt_lens: torch.Tensor, capacity: int) -> None: ...
+    def start(self, prompts: list[list[int]], features: torch.Tensor | None, prompt_lens: torch.Tensor,
+              capacity: int) -> None: ...
 
     def propose(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -50,7 +51,7 @@ class DFlashProposer:
         self.feature_layers = list(cfg.target_layer_ids)
         self.mask_token_id = cfg.mask_token_id
 
-    def start(self, features, prompt_lens, capacity):
+    def start(self, prompts, features, prompt_lens, capacity):
         self.cache = self.drafter.new_cache(len(prompt_lens), capacity)
         self.context_lens = torch.zeros_like(prompt_lens)
         self.pending, self.pending_lens = features, prompt_lens.clone()
@@ -77,3 +78,41 @@ class DFlashProposer:
     def keep_rows(self, rows):
         self.cache.keep_rows(rows)
         self.context_lens, self.pending, self.pending_lens = self.context_lens[rows], self.pending[rows], self.pending_lens[rows]
+
+
+class NGramProposer:
+    """Prompt lookup (the draft-model-free baseline TensorRT-LLM ships as NGram): find the most
+    recent earlier occurrence of the sequence's last n tokens (longest n first) and propose the
+    tokens that followed it. No target features, no drafter forward: its cost is a list search.
+    Without a match it proposes the anchor repeated, which the target simply rejects."""
+
+    feature_layers: list[int] = []
+
+    def __init__(self, num_drafts: int, max_ngram: int = 3):
+        self.num_drafts, self.max_ngram = num_drafts, max_ngram
+
+    def start(self, prompts, features, prompt_lens, capacity):
+        self.sequences = [list(p) for p in prompts]
+
+    def lookup(self, sequence: list[int]) -> list[int]:
+        k = self.num_drafts
+        for n in range(min(self.max_ngram, len(sequence) - 1), 0, -1):
+            pattern = sequence[-n:]
+            for start in range(len(sequence) - n - 1, -1, -1):
+                if sequence[start: start + n] == pattern:
+                    follow = sequence[start + n: start + n + k]
+                    return follow + [follow[-1]] * (k - len(follow))
+        return [sequence[-1]] * k
+
+    def propose(self, anchors, anchor_positions, params, generator):
+        for sequence, anchor in zip(self.sequences, anchors.tolist()):
+            sequence.append(anchor)
+        self.drafts = [self.lookup(sequence) for sequence in self.sequences]
+        return torch.tensor(self.drafts, dtype=anchors.dtype, device=anchors.device).view(len(anchors), -1), None
+
+    def commit(self, features, num_accepted):
+        for sequence, drafts, a in zip(self.sequences, self.drafts, num_accepted.tolist()):
+            sequence.extend(drafts[:a])
+
+    def keep_rows(self, rows):
+        self.sequences = [self.sequences[i] for i in rows.tolist()]

@@ -25,7 +25,7 @@ from .accept import greedy_accept, rejection_accept, sample_from_probs
 from .interface import OnTokens
 from .proposers import Proposer
 from .sampling import SamplingParams, probabilities
-from .stats import GenerationResult, RequestStats
+from .stats import GenerationInterrupted, GenerationResult, RequestStats
 
 
 def synchronize(device: torch.device) -> None:
@@ -121,40 +121,50 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
     cache, logits, features, lens = prefill(target, prompts, feature_layers, capacity)
     first = pick_tokens(logits, params, generator)
     if proposer is not None:
-        proposer.start(features, lens, capacity)
+        proposer.start([list(p) for p in prompts], features, lens, capacity)
     synchronize(device)
     prefill_done = time.perf_counter()
     for request, token in enumerate(first.tolist()):
         stats[request].prefill_time = prefill_done - start
         commit(request, [token])
 
-    rows = list(range(len(prompts)))  # batch row -> request index
-    anchors, positions = first, lens
-    while True:
-        keep = [i for i, request in enumerate(rows) if finish[request] is None]
-        if len(keep) < len(rows):
-            now = time.perf_counter()
-            for request in rows:
-                if finish[request] is not None:
-                    stats[request].decode_time = now - prefill_done
-            if not keep:
-                break
-            index = torch.tensor(keep, device=device)
-            cache.keep_rows(index)
-            if proposer is not None:
-                proposer.keep_rows(index)
-            rows = [rows[i] for i in keep]
-            anchors, positions = anchors[index], positions[index]
-        drafts, num_accepted, bonus = verify_step(target, cache, proposer, anchors, positions, params, generator,
-                                                  step_times)
-        for request, a, draft_row, bonus_token in zip(rows, num_accepted.tolist(), drafts.tolist(), bonus.tolist()):
-            stats[request].record_step(a)
-            commit(request, draft_row[:a] + [bonus_token])
-        anchors, positions = bonus, positions + num_accepted + 1
+    def results() -> list[GenerationResult]:
+        for request, request_stats in enumerate(stats):
+            request_stats.num_output_tokens = len(outputs[request])
+        return [GenerationResult(list(p), outputs[r], finish[r], stats[r]) for r, p in enumerate(prompts)]
 
-    for request, result_stats in enumerate(stats):
-        result_stats.num_output_tokens = len(outputs[request])
-    return [GenerationResult(list(p), outputs[r], finish[r], stats[r]) for r, p in enumerate(prompts)]
+    try:
+        rows = list(range(len(prompts)))  # batch row -> request index
+        anchors, positions = first, lens
+        while True:
+            keep = [i for i, request in enumerate(rows) if finish[request] is None]
+            if len(keep) < len(rows):
+                now = time.perf_counter()
+                for request in rows:
+                    if finish[request] is not None:
+                        stats[request].decode_time = now - prefill_done
+                if not keep:
+                    break
+                index = torch.tensor(keep, device=device)
+                cache.keep_rows(index)
+                if proposer is not None:
+                    proposer.keep_rows(index)
+                rows = [rows[i] for i in keep]
+                anchors, positions = anchors[index], positions[index]
+            drafts, num_accepted, bonus = verify_step(target, cache, proposer, anchors, positions, params, generator,
+                                                      step_times)
+            for request, a, draft_row, bonus_token in zip(rows, num_accepted.tolist(), drafts.tolist(), bonus.tolist()):
+                stats[request].record_step(a)
+                commit(request, draft_row[:a] + [bonus_token])
+            anchors, positions = bonus, positions + num_accepted + 1
+    except KeyboardInterrupt:
+        now = time.perf_counter()
+        for request in range(len(prompts)):
+            if finish[request] is None:
+                finish[request] = "interrupted"
+                stats[request].decode_time = now - prefill_done
+        raise GenerationInterrupted(results()) from None
+    return results()
 
 
 class ReferenceRuntime:
@@ -184,5 +194,8 @@ class ReferenceRuntime:
         for first in range(0, len(prompts), batch_size):
             chunk = prompts[first: first + batch_size]
             callback = None if on_tokens is None else (lambda r, toks, base=first: on_tokens(base + r, toks))
-            results.extend(generate_batch(self.target, self.proposer, chunk, params, callback, self.step_times))
+            try:
+                results.extend(generate_batch(self.target, self.proposer, chunk, params, callback, self.step_times))
+            except GenerationInterrupted as interrupted:
+                raise GenerationInterrupted(results + interrupted.results) from None
         return results

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 class RequestStats:
     block_size: int
     accepted_histogram: list[int] = field(default_factory=list)
+    accepted_per_step: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
     prefill_time: float = 0.0
     decode_time: float = 0.0
@@ -24,6 +25,7 @@ class RequestStats:
 
     def record_step(self, num_accepted: int) -> None:
         self.accepted_histogram[num_accepted] += 1
+        self.accepted_per_step.append(num_accepted)
 
     @property
     def steps(self) -> int:
@@ -73,7 +75,7 @@ class RequestStats:
 class GenerationResult:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str | None  # "stop" | "length" | "interrupted"
     stats: RequestStats
 
 
@@ -91,3 +93,11 @@ def total_stats(results: list[GenerationResult], batch_size: int) -> RequestStat
         total.prefill_time += max(s.prefill_time for s in batch)
         total.decode_time += max(s.decode_time for s in batch)
     return total
+
+
+class GenerationInterrupted(Exception):
+    """Ctrl-C during generation; carries every request's result so far (finished or partial)."""
+
+    def __init__(self, results: list[GenerationResult]):
+        super().__init__("generation interrupted")
+        self.results = results
