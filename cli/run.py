@@ -9,47 +9,11 @@ from pathlib import Path
 import click
 
 from trtllm_dflash.errors import InputError
+from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
 
 from .common import clean_errors, resolve_device, resolve_dtype
 
 EXIT_INTERRUPTED = 130  # the shell convention for SIGINT
-
-
-def read_prompts_file(path: Path) -> list[str | list[int]]:
-    """Plain text (one prompt per line) or JSONL objects with `prompt` (text) or `prompt_token_ids`."""
-    if not path.is_file():
-        raise InputError("file not found.", path=path)
-    prompts: list[str | list[int]] = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        if not line.lstrip().startswith("{"):
-            prompts.append(line)
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"line {number} is not valid JSON ({exc}).", path=path) from None
-        if isinstance(record.get("prompt"), str):
-            prompts.append(record["prompt"])
-        elif isinstance(record.get("prompt_token_ids"), list):
-            prompts.append([int(t) for t in record["prompt_token_ids"]])
-        else:
-            raise InputError(f"line {number} has neither a string 'prompt' nor a list 'prompt_token_ids'.",
-                             path=path, field="prompt")
-    if not prompts:
-        raise InputError("no prompts in the file.", path=path)
-    return prompts
-
-
-def load_tokenizer(target_dir: Path):
-    from transformers import AutoTokenizer
-
-    if not any((target_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        raise InputError("no tokenizer (tokenizer.json) next to the target; text prompts need one "
-                         "(or give token ids with a JSONL 'prompt_token_ids' field).", path=target_dir,
-                         field="tokenizer.json")
-    return AutoTokenizer.from_pretrained(target_dir)
 
 
 def encode_prompts(prompts: list[str | list[int]], tokenizer, chat: bool, target_dir: Path) -> list[list[int]]:

@@ -233,6 +233,16 @@ class DFlashDrafter(nn.Module):
             k, v = layer.self_attn.keys_values(fused, cos, sin)
             cache.write(i, positions, k, v)
 
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+        """The layer stack; `attend(layer, q, k, v)` supplies the context part of attention."""
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            k, v = attn.keys_values(h, cos, sin)
+            x = x + attn.o_proj(attend(i, attn.query(h, cos, sin), k, v))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
     @torch.inference_mode()
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, cache: KVArena,
                 context_lens: torch.Tensor) -> torch.Tensor:
@@ -244,14 +254,23 @@ class DFlashDrafter(nn.Module):
         ctx_len = int(context_lens.max()) if b else 0
         visible = torch.arange(ctx_len, device=x.device) < context_lens[:, None]
         mask = torch.cat([visible, visible.new_ones(b, width)], dim=1)[:, None].expand(b, width, -1)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.query(h, cos, sin)
-            k, v = attn.keys_values(h, cos, sin)
-            x = x + attn.o_proj(self.block_attention(i, q, k, v, cache, context_lens, mask))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)
+        return self.run_layers(x, cos, sin, lambda i, q, k, v: self.block_attention(i, q, k, v, cache,
+                                                                                     context_lens, mask))
+
+    def forward_train(self, features: torch.Tensor, context_positions: torch.Tensor, block_embeds: torch.Tensor,
+                      block_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Differentiable forward over many blocks at once: context = all positions' target
+        features [n, L, F]; queries = the blocks [n, T, H]; `mask` [n, T, L + T] says who sees what."""
+        fused = self.hidden_norm(self.fc(features.to(self.dtype)))
+        ctx_cos, ctx_sin = self.rotary(context_positions, fused.dtype)
+        cos, sin = self.rotary(block_positions, fused.dtype)
+
+        def attend(i, q, k, v):
+            ctx_k, ctx_v = self.layers[i].self_attn.keys_values(fused, ctx_cos, ctx_sin)
+            return sink_attention(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask, None,
+                                  self.scale)
+
+        return self.run_layers(block_embeds.to(self.dtype), cos, sin, attend)
 
 
 def normalize_drafter_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

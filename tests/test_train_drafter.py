@@ -1,0 +1,71 @@
+"""The drafter-training recipe: its attention mask, its block inputs, and a short real run."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from trtllm_dflash.models.drafter import load_drafter
+from trtllm_dflash.models.random_pair import save_byte_tokenizer, save_random_target, tiny_target_config
+from trtllm_dflash.models.target import GptOssTarget
+from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
+from trtllm_dflash.runtime.proposers import DFlashProposer
+from trtllm_dflash.runtime.reference import ReferenceRuntime
+from trtllm_dflash.runtime.sampling import SamplingParams
+from trtllm_dflash.train.drafter import TrainConfig, block_inputs, sample_anchors, train, training_mask
+
+
+def test_training_mask_follows_the_three_rules():
+    gen = torch.Generator().manual_seed(0)
+    block, seq_len = 4, 20
+    anchors = sample_anchors(3, 5, 2, seq_len - block, gen)
+    mask = training_mask(anchors, block, seq_len)
+    n, queries, keys = mask.shape
+    assert (n, queries, keys) == (3, 5 * block, seq_len + 5 * block)
+    for s in range(n):
+        for q in range(queries):
+            own = q // block
+            for k in range(keys):
+                if k < seq_len:  # rule 1: context strictly before the block's anchor
+                    expected = k < int(anchors[s, own])
+                else:  # rules 2-3: bidirectional inside a block, blocks mutually invisible
+                    expected = (k - seq_len) // block == own
+                assert bool(mask[s, q, k]) == expected
+
+
+def test_block_inputs_anchor_masks_and_labels():
+    sequences = torch.arange(100, 130)[None]
+    anchors = torch.tensor([[3, 10]])
+    tokens, positions, labels = block_inputs(sequences, anchors, 4, mask_token_id=7)
+    assert tokens.tolist() == [[103, 7, 7, 7, 110, 7, 7, 7]]
+    assert positions.tolist() == [[3, 4, 5, 6, 10, 11, 12, 13]]
+    assert labels.tolist() == [[103, 104, 105, 106, 110, 111, 112, 113]]  # slot k predicts its own position
+
+
+def test_short_run_learns_resumes_and_writes_a_loadable_drafter(tmp_path):
+    # Larger initial weights than the shared fixture: a near-uniform LM head would make the
+    # drafter's (frozen, borrowed) logits too flat to show learning in 40 steps.
+    target_dir = save_random_target(tmp_path / "target", tiny_target_config(initializer_range=0.2), seed=3)
+    save_byte_tokenizer(target_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    gen = torch.Generator().manual_seed(1)
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": torch.randint(0, 256, (16,), generator=gen).tolist()})
+                               + "\n" for _ in range(24)))
+    cfg = TrainConfig(block_size=4, num_features=2, prompt_tokens=16, response_tokens=32, num_samples=24,
+                      anchors_per_sequence=4, batch_size=8, steps=12, lr=1e-2, save_every_s=1e9)
+    out = tmp_path / "run"
+    train(target_dir, out, cfg, "file", prompts, None, torch.device("cpu"), None)
+    cfg.steps = 40
+    drafter_dir = train(target_dir, out, cfg, "file", prompts, None, torch.device("cpu"), None)  # resumes at 12
+    history = json.loads((out / "history.json").read_text())["loss"]
+    assert len(history) == 40
+    assert sum(history[-5:]) / 5 < 0.9 * sum(history[:5]) / 5
+
+    target = GptOssTarget(load_hf_gpt_oss(target_dir))
+    drafter = load_drafter(drafter_dir)
+    assert drafter.config.mask_token_id == 257 and drafter.config.block_size == 4
+    prompt = torch.randint(0, 256, (16,), generator=gen).tolist()
+    spec = ReferenceRuntime(target, DFlashProposer(drafter, target)).generate([prompt], SamplingParams(max_tokens=24))
+    ar = ReferenceRuntime(target, None).generate([prompt], SamplingParams(max_tokens=24))
+    assert spec[0].output_token_ids == ar[0].output_token_ids
