@@ -229,6 +229,10 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
         results, interrupted = results + stop.results, True
     except KeyboardInterrupt:
         interrupted = True
+    finally:
+        for runtime in runtimes:
+            if hasattr(runtime, "close"):  # TensorRT-LLM holds GPU workers until shut down
+                runtime.close()
     if interrupted:
         click.echo("\ninterrupted: statistics so far", err=True)
         baselines = None

@@ -35,8 +35,8 @@ class ScriptedProposer(DFlashProposer):
         self.checks = 0
         self.started = 0  # requests of earlier batches (batches run in input order)
 
-    def start(self, prompts, features, prompt_lens, capacity):
-        super().start(prompts, features, prompt_lens, capacity)
+    def start(self, features, prompt_lens, capacity):
+        super().start(features, prompt_lens, capacity)
         self.requests = list(range(self.started, self.started + len(prompt_lens)))
         self.started += len(prompt_lens)
 
@@ -44,8 +44,8 @@ class ScriptedProposer(DFlashProposer):
         super().keep_rows(rows)
         self.requests = [self.requests[i] for i in rows.tolist()]
 
-    def propose(self, anchors, anchor_positions, params, generator):
-        super().propose(anchors, anchor_positions, params, generator)
+    def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
+        super().propose(anchors, anchor_positions, history, num_drafts, params, generator)
         drafts = []
         for row, (request, s) in enumerate(zip(self.requests, anchor_positions.tolist())):
             truth = self.references[request][s + 1: s + BLOCK]

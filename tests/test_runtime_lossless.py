@@ -87,7 +87,19 @@ def test_ngram_proposer_is_lossless_and_accepts_on_repetition(setup):
 
 def test_ngram_lookup_rules():
     proposer = NGramProposer(num_drafts=3, max_ngram=2)
-    assert proposer.lookup([1, 2, 3, 9, 2, 3]) == [9, 2, 3]  # longest match "2 3" -> what followed it
-    assert proposer.lookup([5, 6, 7, 5]) == [6, 7, 5]
-    assert proposer.lookup([4, 8, 1]) == [1, 1, 1]  # no match: repeat the last token
-    assert proposer.lookup([7, 7]) == [7, 7, 7]  # a short tail is padded with its last token
+    assert proposer.lookup([1, 2, 3, 9, 2, 3], 3) == [9, 2, 3]  # longest match "2 3" -> what followed it
+    assert proposer.lookup([5, 6, 7, 5], 3) == [6, 7, 5]
+    assert proposer.lookup([4, 8, 1], 3) == [1, 1, 1]  # no match: repeat the last token
+    assert proposer.lookup([7, 7], 3) == [7, 7, 7]  # a short tail is padded with its last token
+
+
+def test_draft_length_schedule_follows_live_batch_size(setup):
+    """Schedule {2: 3, 4: 1}: 3 drafts while at most 2 requests are live, 1 up to 4, none above."""
+    from trtllm_dflash.runtime.reference import draft_length
+
+    assert [draft_length({2: 3, 4: 1}, b, 5) for b in (1, 2, 3, 4, 5)] == [3, 3, 1, 1, 0]
+    assert draft_length(None, 9, 5) == 5
+    target, drafter, prompts, expected = setup
+    runtime = ReferenceRuntime(target, DFlashProposer(drafter, target), draft_len_schedule={2: 3, 4: 1})
+    results = runtime.generate(prompts[:12], SamplingParams(max_tokens=MAX_TOKENS), batch_size=6)
+    assert [r.output_token_ids for r in results] == expected[:12]  # lossless whatever the draft length

@@ -18,19 +18,24 @@ from .sampling import SamplingParams, probabilities
 
 
 class Proposer(Protocol):
-    num_drafts: int  # drafts per block (block_size - 1)
+    num_drafts: int  # the most drafts per block (block_size - 1); a step may ask for fewer
     feature_layers: list[int]  # target layers whose outputs the proposer consumes
+    needs_history: bool  # whether `propose` reads the committed tokens (building them costs a copy)
 
-    def start(self, prompts: list[list[int]], features: torch.Tensor | None, prompt_lens: torch.Tensor,
-              capacity: int) -> None: ...
+    def start(self, features: torch.Tensor | None, prompt_lens: torch.Tensor, capacity: int) -> None: ...
 
-    def propose(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> draft tokens [b, K] and, when sampling, the distributions they were drawn from [b, K, V]
-        (None means the drafts are deterministic: q is one-hot)."""
+    def propose(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, history: list[list[int]],
+                num_drafts: int, params: SamplingParams, generator: torch.Generator
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> draft tokens [b, num_drafts] and, when sampling, the distributions they were drawn from
+        [b, num_drafts, V] (None means the drafts are deterministic: q is one-hot). `history` holds
+        each request's committed tokens (prompt, outputs, anchor last)."""
         ...
 
-    def commit(self, features: torch.Tensor | None, num_accepted: torch.Tensor) -> None: ...
+    def commit(self, features: torch.Tensor | None, num_accepted: torch.Tensor) -> None:
+        """After every verify, also one without drafts: features [b, width, F] of the verified
+        positions, of which the first num_accepted + 1 are now committed."""
+        ...
 
     def keep_rows(self, rows: torch.Tensor) -> None: ...
 
@@ -43,6 +48,8 @@ class DFlashProposer:
     `commit` queues the verify features of the anchor and the accepted drafts for the next call.
     """
 
+    needs_history = False
+
     def __init__(self, drafter: DFlashDrafter, target: GptOssTarget, block_size: int | None = None):
         cfg = drafter.config
         self.drafter, self.target = drafter, target
@@ -51,19 +58,20 @@ class DFlashProposer:
         self.feature_layers = list(cfg.target_layer_ids)
         self.mask_token_id = cfg.mask_token_id
 
-    def start(self, prompts, features, prompt_lens, capacity):
+    def start(self, features, prompt_lens, capacity):
         self.cache = self.drafter.new_cache(len(prompt_lens), capacity)
         self.context_lens = torch.zeros_like(prompt_lens)
         self.pending, self.pending_lens = features, prompt_lens.clone()
 
-    def propose(self, anchors, anchor_positions, params, generator):
+    def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
         offsets = torch.arange(self.pending.shape[1], device=anchors.device)
         self.drafter.write_context(self.pending, self.context_lens[:, None] + offsets, self.cache)
         self.context_lens += self.pending_lens
-        block = torch.full((len(anchors), self.block_size), self.mask_token_id, dtype=anchors.dtype,
-                           device=anchors.device)
+        self.pending, self.pending_lens = self.pending[:, :0], torch.zeros_like(self.pending_lens)
+        width = num_drafts + 1
+        block = torch.full((len(anchors), width), self.mask_token_id, dtype=anchors.dtype, device=anchors.device)
         block[:, 0] = anchors
-        positions = anchor_positions[:, None] + torch.arange(self.block_size, device=anchors.device)
+        positions = anchor_positions[:, None] + torch.arange(width, device=anchors.device)
         hidden = self.drafter(self.target.embed(block), positions, self.cache, self.context_lens)
         logits = self.target.lm_head(hidden[:, 1:].to(self.target.dtype))
         if params.greedy:
@@ -73,11 +81,28 @@ class DFlashProposer:
         return sample_from_probs(q, uniforms), q
 
     def commit(self, features, num_accepted):
-        self.pending, self.pending_lens = features[:, : int(num_accepted.max()) + 1], num_accepted + 1
+        """Queue the committed positions' features; usually the queue is empty (one step's worth),
+        but steps without drafting (draft length 0 under load) let it grow until the next draft."""
+        self.pending, self.pending_lens = append_ragged(self.pending, self.pending_lens, features, num_accepted + 1)
 
     def keep_rows(self, rows):
         self.cache.keep_rows(rows)
         self.context_lens, self.pending, self.pending_lens = self.context_lens[rows], self.pending[rows], self.pending_lens[rows]
+
+
+def append_ragged(buffer: torch.Tensor, lens: torch.Tensor, new: torch.Tensor, new_lens: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row i of the result = buffer[i, :lens[i]] then new[i, :new_lens[i]] (padded to the longest)."""
+    if buffer.shape[1] == 0 or not bool(lens.any()):
+        return new[:, : int(new_lens.max())], new_lens.clone()
+    total = lens + new_lens
+    out = buffer.new_zeros(buffer.shape[0], int(total.max()), buffer.shape[2])
+    out[:, : buffer.shape[1]] = buffer
+    columns = lens[:, None] + torch.arange(new.shape[1], device=new.device)
+    keep = torch.arange(new.shape[1], device=new.device) < new_lens[:, None]
+    rows = torch.arange(new.shape[0], device=new.device)[:, None].expand_as(columns)
+    out[rows[keep], columns[keep]] = new[keep]
+    return out, total
 
 
 class NGramProposer:
@@ -87,15 +112,15 @@ class NGramProposer:
     Without a match it proposes the anchor repeated, which the target simply rejects."""
 
     feature_layers: list[int] = []
+    needs_history = True
 
     def __init__(self, num_drafts: int, max_ngram: int = 3):
         self.num_drafts, self.max_ngram = num_drafts, max_ngram
 
-    def start(self, prompts, features, prompt_lens, capacity):
-        self.sequences = [list(p) for p in prompts]
+    def start(self, features, prompt_lens, capacity):
+        pass
 
-    def lookup(self, sequence: list[int]) -> list[int]:
-        k = self.num_drafts
+    def lookup(self, sequence: list[int], k: int) -> list[int]:
         for n in range(min(self.max_ngram, len(sequence) - 1), 0, -1):
             pattern = sequence[-n:]
             for start in range(len(sequence) - n - 1, -1, -1):
@@ -104,15 +129,12 @@ class NGramProposer:
                     return follow + [follow[-1]] * (k - len(follow))
         return [sequence[-1]] * k
 
-    def propose(self, anchors, anchor_positions, params, generator):
-        for sequence, anchor in zip(self.sequences, anchors.tolist()):
-            sequence.append(anchor)
-        self.drafts = [self.lookup(sequence) for sequence in self.sequences]
-        return torch.tensor(self.drafts, dtype=anchors.dtype, device=anchors.device).view(len(anchors), -1), None
+    def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
+        drafts = [self.lookup(sequence, num_drafts) for sequence in history]
+        return torch.tensor(drafts, dtype=anchors.dtype, device=anchors.device).view(len(anchors), num_drafts), None
 
     def commit(self, features, num_accepted):
-        for sequence, drafts, a in zip(self.sequences, self.drafts, num_accepted.tolist()):
-            sequence.extend(drafts[:a])
+        pass
 
     def keep_rows(self, rows):
-        self.sequences = [self.sequences[i] for i in rows.tolist()]
+        pass

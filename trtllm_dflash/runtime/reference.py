@@ -54,16 +54,26 @@ def prefill(target: GptOssTarget, prompts: Sequence[Sequence[int]], feature_laye
     return cache, logits, features, lens
 
 
+def draft_length(schedule: dict[int, int] | None, batch: int, most: int) -> int:
+    """TensorRT-LLM's draft_len_schedule: the smallest key >= the live batch size gives the draft
+    length; above the largest key speculation is off (0). No schedule: always `most`."""
+    if schedule is None:
+        return most
+    fitting = [key for key in schedule if key >= batch]
+    return min(schedule[min(fitting)], most) if fitting else 0
+
+
 def verify_step(target: GptOssTarget, cache, proposer: Proposer | None, anchors: torch.Tensor,
-                positions: torch.Tensor, params: SamplingParams, generator: torch.Generator,
-                step_times: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                positions: torch.Tensor, history: list[list[int]], num_drafts: int, params: SamplingParams,
+                generator: torch.Generator, step_times: dict[str, float]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draft, verify and accept one block per request -> (drafts [b, K], num_accepted [b], bonus [b])."""
     device = anchors.device
     start = time.perf_counter()
-    if proposer is None:
+    if num_drafts == 0:
         drafts, q = anchors.new_zeros(len(anchors), 0), None
     else:
-        drafts, q = proposer.propose(anchors, positions, params, generator)
+        drafts, q = proposer.propose(anchors, positions, history, num_drafts, params, generator)
     synchronize(device)
     drafted = time.perf_counter()
     block = torch.cat([anchors[:, None], drafts], dim=1)
@@ -89,8 +99,10 @@ def verify_step(target: GptOssTarget, cache, proposer: Proposer | None, anchors:
 @torch.inference_mode()
 def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Sequence[Sequence[int]],
                    params: SamplingParams, on_tokens: OnTokens | None = None,
-                   step_times: dict[str, float] | None = None) -> list[GenerationResult]:
-    """Generate for one batch of prompts until every request stops or reaches max_tokens."""
+                   step_times: dict[str, float] | None = None,
+                   draft_len_schedule: dict[int, int] | None = None) -> list[GenerationResult]:
+    """Generate for one batch of prompts until every request stops or reaches max_tokens.
+    With a schedule the draft length follows the live batch size, step by step."""
     device = target.device
     block_size = 1 if proposer is None else proposer.num_drafts + 1
     step_times = step_times if step_times is not None else {"draft": 0.0, "verify": 0.0}
@@ -121,7 +133,7 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
     cache, logits, features, lens = prefill(target, prompts, feature_layers, capacity)
     first = pick_tokens(logits, params, generator)
     if proposer is not None:
-        proposer.start([list(p) for p in prompts], features, lens, capacity)
+        proposer.start(features, lens, capacity)
     synchronize(device)
     prefill_done = time.perf_counter()
     for request, token in enumerate(first.tolist()):
@@ -151,8 +163,11 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
                     proposer.keep_rows(index)
                 rows = [rows[i] for i in keep]
                 anchors, positions = anchors[index], positions[index]
-            drafts, num_accepted, bonus = verify_step(target, cache, proposer, anchors, positions, params, generator,
-                                                      step_times)
+            most = 0 if proposer is None else proposer.num_drafts
+            num_drafts = draft_length(draft_len_schedule, len(rows), most)
+            history = [list(prompts[r]) + outputs[r] for r in rows] if num_drafts and proposer.needs_history else []
+            drafts, num_accepted, bonus = verify_step(target, cache, proposer, anchors, positions, history,
+                                                      num_drafts, params, generator, step_times)
             for request, a, draft_row, bonus_token in zip(rows, num_accepted.tolist(), drafts.tolist(), bonus.tolist()):
                 stats[request].record_step(a)
                 commit(request, draft_row[:a] + [bonus_token])
@@ -172,8 +187,9 @@ class ReferenceRuntime:
 
     backend = "reference"
 
-    def __init__(self, target: GptOssTarget, proposer: Proposer | None):
-        self.target, self.proposer = target, proposer
+    def __init__(self, target: GptOssTarget, proposer: Proposer | None,
+                 draft_len_schedule: dict[int, int] | None = None):
+        self.target, self.proposer, self.draft_len_schedule = target, proposer, draft_len_schedule
 
     def warm_up(self, prompt: Sequence[int]) -> None:
         """One short untimed generation: first calls pay one-time allocation and dispatch costs
@@ -195,7 +211,8 @@ class ReferenceRuntime:
             chunk = prompts[first: first + batch_size]
             callback = None if on_tokens is None else (lambda r, toks, base=first: on_tokens(base + r, toks))
             try:
-                results.extend(generate_batch(self.target, self.proposer, chunk, params, callback, self.step_times))
+                results.extend(generate_batch(self.target, self.proposer, chunk, params, callback, self.step_times,
+                                              self.draft_len_schedule))
             except GenerationInterrupted as interrupted:
                 raise GenerationInterrupted(results + interrupted.results) from None
         return results

@@ -85,7 +85,8 @@ def total_stats(results: list[GenerationResult], batch_size: int) -> RequestStat
     Requests of one batch share the clock, so a batch's time is its slowest request's and batches
     add up: decode tokens/s of the total is then the run's real throughput.
     """
-    total = RequestStats(max(r.stats.block_size for r in results))
+    # The first result's stats class, so backends that report totals only (TensorRT-LLM) add up too.
+    total = type(results[0].stats)(max(r.stats.block_size for r in results))
     for first in range(0, len(results), batch_size):
         batch = [r.stats for r in results[first: first + batch_size]]
         for stats in batch:
