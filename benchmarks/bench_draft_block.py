@@ -63,7 +63,6 @@ def bench(batch: int, context: int, do_bench) -> dict:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     t_copy = do_bench(lambda: dst.copy_(src))
-    del problem, q4, keys, values, src, dst
     return {
         "batch": batch, "context": context, "triton_ms": t_ours, "sdpa_ms": t_sdpa, "max_abs_err": max_err,
         "floor_MB": nbytes / 1e6, "triton_GBps": nbytes / t_ours / 1e6, "copy_GBps": 2 * nbytes / t_copy / 1e6,

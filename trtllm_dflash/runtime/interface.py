@@ -27,6 +27,18 @@ class Runtime(Protocol):
                  on_tokens: OnTokens | None = None) -> list[GenerationResult]: ...
 
 
+def check_request(prompts: Sequence[Sequence[int]], batch_size: int, vocab_size: int | None = None) -> None:
+    """What every backend refuses before generating: a batch size below 1, empty prompts, ids
+    outside the vocabulary (when the backend knows it)."""
+    if batch_size < 1:
+        raise InputError(f"expected at least 1, got {batch_size}.", field="batch_size")
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise InputError(f"prompt {i} is empty; at least one token is needed.", field="prompt")
+        if vocab_size is not None and (max(prompt) >= vocab_size or min(prompt) < 0):
+            raise InputError(f"prompt {i} has token ids outside [0, {vocab_size}).", field="prompt")
+
+
 def cuda_device_capability() -> tuple[int, int] | None:
     import torch
 

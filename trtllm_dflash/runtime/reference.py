@@ -19,10 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import InputError
 from ..models.target import GptOssTarget
 from .accept import greedy_accept, rejection_accept, sample_from_probs
-from .interface import OnTokens
+from .interface import OnTokens, check_request
 from .proposers import Proposer
 from .sampling import SamplingParams, probabilities
 from .stats import GenerationInterrupted, GenerationResult, RequestStats
@@ -198,13 +197,7 @@ class ReferenceRuntime:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, batch_size: int = 1,
                  on_tokens: OnTokens | None = None) -> list[GenerationResult]:
-        if batch_size < 1:
-            raise InputError(f"expected at least 1, got {batch_size}.", field="batch_size")
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise InputError(f"prompt {i} is empty; at least one token is needed.", field="prompt")
-            if max(prompt) >= self.target.vocab_size or min(prompt) < 0:
-                raise InputError(f"prompt {i} has token ids outside [0, {self.target.vocab_size}).", field="prompt")
+        check_request(prompts, batch_size, self.target.vocab_size)
         results: list[GenerationResult] = []
         self.step_times = {"draft": 0.0, "verify": 0.0}
         for first in range(0, len(prompts), batch_size):

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, MissingDependencyError
-from .interface import OnTokens
+from .interface import OnTokens, check_request
 from .sampling import SamplingParams
 from .stats import GenerationResult, RequestStats
 
@@ -527,11 +527,7 @@ class TrtllmRuntime:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, batch_size: int = 1,
                  on_tokens: OnTokens | None = None) -> list[GenerationResult]:
-        if batch_size < 1:
-            raise InputError(f"expected at least 1, got {batch_size}.", field="batch_size")
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise InputError(f"prompt {i} is empty; at least one token is needed.", field="prompt")
+        check_request(prompts, batch_size)
         if self.llm is None:
             raise RuntimeError("this TrtllmRuntime was closed.")
         sampling = self._trtllm.SamplingParams(**sampling_kwargs(params))
