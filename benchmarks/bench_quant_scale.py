@@ -1,0 +1,135 @@
+"""Conversion throughput and peak RSS vs layer count on gpt-oss-120b-shaped synthetic checkpoints.
+
+Each layer has the real 120b tensors (hidden 2880, 128 experts, MXFP4 experts
+``gate_up_proj_blocks [128, 5760, 90, 16]``, 64/8 heads of 64, biases, sinks, router); the vocab is
+cut to 8192 so embed/lm_head stay small (the real 201088 would add 2 x 1.16 GB of plain copying).
+Each measurement runs in a fresh subprocess that reports its own peak RSS (VmHWM, Linux); the reference is a
+plain file copy of the same shards. Usage::
+
+    python benchmarks/bench_quant_scale.py --layers 2 4 8 --recipes nvfp4 mxfp4 fp8:2 --workdir /tmp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from trtllm_dflash.checkpoints.safetensors_io import StreamingShardWriter, TensorInfo, shard_names, write_index
+
+HIDDEN, EXPERTS, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2880, 128, 2880, 64, 8, 64, 8192
+
+
+def layer_tensors(i: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """One gpt-oss-120b decoder layer with random weights and realistic E8M0 scales (2**-12..2**0)."""
+    p, bf16 = f"model.layers.{i}.", torch.bfloat16
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    t = {
+        p + "input_layernorm.weight": torch.ones(HIDDEN, dtype=bf16),
+        p + "post_attention_layernorm.weight": torch.ones(HIDDEN, dtype=bf16),
+        p + "self_attn.sinks": torch.zeros(HEADS, dtype=bf16),
+        p + "mlp.router.weight": torch.randn(EXPERTS, HIDDEN, generator=g).to(bf16),
+        p + "mlp.router.bias": torch.zeros(EXPERTS, dtype=bf16),
+        p + "mlp.experts.gate_up_proj_bias": torch.zeros(EXPERTS, 2 * INTER, dtype=bf16),
+        p + "mlp.experts.down_proj_bias": torch.zeros(EXPERTS, HIDDEN, dtype=bf16),
+    }
+    for name, out, inp in (("q_proj", q, HIDDEN), ("k_proj", kv, HIDDEN), ("v_proj", kv, HIDDEN), ("o_proj", HIDDEN, q)):
+        t[p + f"self_attn.{name}.weight"] = (torch.randn(out, inp, generator=g) * 0.02).to(bf16)
+        t[p + f"self_attn.{name}.bias"] = torch.zeros(out, dtype=bf16)
+    for name, out, inp in (("gate_up_proj", 2 * INTER, HIDDEN), ("down_proj", HIDDEN, INTER)):
+        t[p + f"mlp.experts.{name}_blocks"] = torch.randint(0, 256, (EXPERTS, out, inp // 32, 16), dtype=torch.uint8, generator=g)
+        t[p + f"mlp.experts.{name}_scales"] = torch.randint(115, 128, (EXPERTS, out, inp // 32), dtype=torch.uint8, generator=g)
+    return t
+
+
+def make_checkpoint(directory: Path, layers: int) -> int:
+    """Write a ``layers``-layer checkpoint, one shard per layer (plus one for embeddings); returns bytes."""
+    g = torch.Generator().manual_seed(0)
+    names = shard_names(layers + 1)
+    weight_map, total = {}, 0
+    for k, file in enumerate(names):
+        if k == layers:
+            tensors = {
+                "model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g).to(torch.bfloat16),
+                "model.norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+                "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=g).to(torch.bfloat16),
+            }
+        else:
+            tensors = layer_tensors(k, g)
+        infos = [TensorInfo(n, v.dtype, tuple(v.shape)) for n, v in tensors.items()]
+        with StreamingShardWriter(directory / file, infos) as writer:
+            for n, v in tensors.items():
+                writer.write(n, v)
+        weight_map.update({n: file for n in tensors})
+        total += sum(i.nbytes for i in infos)
+        del tensors
+    write_index(directory, weight_map, total)
+    config = {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "num_hidden_layers": layers,
+        "hidden_size": HIDDEN, "intermediate_size": INTER, "num_local_experts": EXPERTS,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "vocab_size": VOCAB,
+        "quantization_config": {"quant_method": "mxfp4"},
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    return total
+
+
+CHILD = """
+import re, shutil, sys, time, json
+from pathlib import Path
+src, dst, what = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+t = time.perf_counter()
+if what == "copy":
+    dst.mkdir()
+    for f in src.iterdir():
+        shutil.copyfile(f, dst / f.name)
+    written = sum(f.stat().st_size for f in dst.iterdir())
+else:
+    from trtllm_dflash.quant.convert import convert_checkpoint
+    written = convert_checkpoint(src, dst, what, progress=False).bytes_written
+hwm_kib = int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+print(json.dumps({"seconds": time.perf_counter() - t, "written": written, "peak_rss_mib": hwm_kib / 1024}))
+"""
+
+
+def measure(src: Path, dst: Path, what: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, str(src), str(dst), what], check=True, capture_output=True, text=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    shutil.rmtree(dst)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--recipes", nargs="+", default=["nvfp4", "mxfp4", "fp8:2"],
+                        help="recipe, or recipe:MAXLAYERS to run it only up to that layer count")
+    parser.add_argument("--workdir", default=tempfile.gettempdir())
+    args = parser.parse_args()
+    print("| layers | source GB | what | seconds | read GB/s | peak RSS MiB |")
+    print("|---|---|---|---|---|---|")
+    for layers in args.layers:
+        root = Path(tempfile.mkdtemp(prefix="bench_quant_", dir=args.workdir))
+        try:
+            src = root / "src"
+            src.mkdir()
+            size = make_checkpoint(src, layers)
+            for what in ["copy", *args.recipes]:
+                recipe, _, limit = what.partition(":")
+                if limit and layers > int(limit):
+                    continue
+                r = measure(src, root / "out", recipe)
+                print(f"| {layers} | {size / 1e9:.2f} | {recipe} | {r['seconds']:.1f} | "
+                      f"{size / 1e9 / r['seconds']:.2f} | {r['peak_rss_mib']:.0f} |", flush=True)
+        finally:
+            shutil.rmtree(root)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""Converter tests on tiny synthetic gpt-oss and DFlash-drafter checkpoints.
+
+Closeness metric for the round trip: per tensor, relative Frobenius error ||dq - ref|| / ||ref||
+against the exactly decoded source. Expected: 0 for none/mxfp4 (lossless), 0 for NVFP4 experts
+(exact MXFP4 re-expression), <= 0.05 for FP8 tensors (E4M3 keeps 3 mantissa bits: ~2**-5 rms),
+<= 0.15 for NVFP4 tensors quantized from bf16 (drafter MLP).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from trtllm_dflash.checkpoints import safetensors_io
+from trtllm_dflash.checkpoints.safetensors_io import ShardedReader, save_sharded
+from trtllm_dflash.errors import InputError
+from trtllm_dflash.quant import convert as convert_mod
+from trtllm_dflash.quant.codecs import mxfp4_decode, mxfp4_encode
+from trtllm_dflash.quant.convert import convert_checkpoint, load_dequantized_state_dict
+from trtllm_dflash.quant.recipes import RECIPES
+
+transformers = pytest.importorskip("transformers")
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+LAYERS, HIDDEN, EXPERTS = 2, 64, 4
+EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def tiny_config() -> transformers.GptOssConfig:
+    return transformers.GptOssConfig(
+        num_hidden_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=EXPERTS, num_experts_per_tok=2, vocab_size=128,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"], max_position_embeddings=4096,
+    )
+
+
+@pytest.fixture(scope="module")
+def gptoss_dir(tmp_path_factory) -> Path:
+    """Random tiny GptOss saved like the released checkpoint: MXFP4 experts, bf16 rest, 3 shards."""
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(tiny_config())
+    state = {}
+    for name, value in model.state_dict().items():
+        if name.endswith(EXPERT_PARAMS):  # transformers holds [E, in, out]; the checkpoint [E, out, in]
+            state[name + "_blocks"], state[name + "_scales"] = mxfp4_encode(value.transpose(-1, -2))
+        else:
+            state[name] = value.to(torch.bfloat16)
+    directory = tmp_path_factory.mktemp("gptoss")
+    save_sharded(directory, state, max_shard_bytes=120_000)
+    config = tiny_config().to_dict() | {
+        "architectures": ["GptOssForCausalLM"],
+        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]},
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "generation_config.json").write_text('{"eos_token_id": 1}')
+    (directory / "tokenizer_config.json").write_text("{}")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory) -> Path:
+    """A 1-layer DFlash drafter with the z-lab tensor names (no model. prefix, no embeddings)."""
+    g = torch.Generator().manual_seed(1)
+    h, inter = 64, 96
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16)
+
+    state = {"fc.weight": w(h, 3 * h), "hidden_norm.weight": w(h), "norm.weight": w(h)}
+    p = "layers.0."
+    for name, out in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32), ("o_proj", h)):
+        state[p + f"self_attn.{name}.weight"] = w(out, 64 if name == "o_proj" else h)
+    state[p + "self_attn.q_proj.bias"] = w(64)
+    state.update({p + "self_attn.q_norm.weight": w(16), p + "self_attn.k_norm.weight": w(16)})
+    state.update({p + "input_layernorm.weight": w(h), p + "post_attention_layernorm.weight": w(h)})
+    state.update({p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h), p + "mlp.down_proj.weight": w(h, inter)})
+    directory = tmp_path_factory.mktemp("drafter")
+    save_sharded(directory, state)
+    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 8,
+              "dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 1, 2]}}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def check_index(directory: Path) -> dict[str, str]:
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    reader = ShardedReader(directory)
+    assert index["weight_map"] == {n: f.name for n, f in reader.files.items()}
+    assert index["metadata"]["total_size"] == sum(i.nbytes for i in reader.infos.values())
+    return index["weight_map"]
+
+
+# ----------------------------------------------------------------------------------------------
+# source fixture matches transformers
+
+
+def test_fixture_decodes_like_transformers(gptoss_dir):
+    model = transformers.GptOssForCausalLM.from_pretrained(
+        gptoss_dir, dtype=torch.bfloat16, quantization_config=transformers.Mxfp4Config(dequantize=True)
+    )
+    ours = load_dequantized_state_dict(gptoss_dir)
+    theirs = model.state_dict()
+    for layer in range(LAYERS):
+        for param in EXPERT_PARAMS:
+            name = f"model.layers.{layer}.mlp.{param}"
+            assert torch.equal(theirs[name].float(), ours[name]), name
+    assert set(ours) == set(theirs)
+
+
+# ----------------------------------------------------------------------------------------------
+# every recipe on the gpt-oss target
+
+
+def expected_tensor(name: str, recipe: str, reader: ShardedReader) -> list[tuple[str, torch.dtype, tuple]]:
+    """The output tensors (name, dtype, shape) a source tensor should turn into."""
+    info = reader.infos[name]
+    expert = name.endswith(tuple(p + "_blocks" for p in EXPERT_PARAMS))
+    attention = name.endswith("_proj.weight") and "self_attn" in name
+    if name.endswith(tuple(p + "_scales" for p in EXPERT_PARAMS)):  # consumed with its blocks
+        return [(name, torch.uint8, info.shape)] if recipe == "mxfp4" else []
+    if expert:
+        base = name.removesuffix("_blocks")
+        e, out, nb, _ = info.shape
+        if recipe == "mxfp4":
+            return [(name, torch.uint8, info.shape)]
+        if recipe == "none":
+            return [(base, torch.bfloat16, (e, nb * 32, out))]
+        if recipe == "fp8":
+            return [(base, torch.float8_e4m3fn, (e, out, nb * 32)), (base + "_weight_scale", torch.float32, (e,))]
+        return [(base, torch.uint8, (e, out, nb * 16)), (base + "_weight_scale", torch.float8_e4m3fn, (e, out, nb * 2)),
+                (base + "_weight_scale_2", torch.float32, (e,))]
+    if attention and recipe in ("fp8", "nvfp4"):
+        return [(name, torch.float8_e4m3fn, info.shape), (name + "_scale", torch.float32, ())]
+    return [(name, info.dtype, info.shape)]
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_recipe_on_gptoss(gptoss_dir, tmp_path, recipe):
+    dst = tmp_path / "out"
+    result = convert_checkpoint(gptoss_dir, dst, recipe, kv_cache_dtype="fp8", progress=False)
+    source = ShardedReader(gptoss_dir)
+    out = ShardedReader(dst)
+    want = {n: (d, s) for name in source.infos for n, d, s in expected_tensor(name, recipe, source)}
+    assert {n: (i.dtype, i.shape) for n, i in out.infos.items()} == want
+    check_index(dst)
+    assert (dst / "generation_config.json").exists() and (dst / "tokenizer_config.json").exists()
+    assert not list(tmp_path.glob(".out.*"))  # temporary directory renamed away
+
+    config = json.loads((dst / "config.json").read_text())
+    hf_quant_path = dst / "hf_quant_config.json"
+    if recipe == "mxfp4":
+        assert config["quantization_config"]["quant_method"] == "mxfp4" and not hf_quant_path.exists()
+    else:
+        hf_quant = json.loads(hf_quant_path.read_text())["quantization"]
+        assert hf_quant["kv_cache_quant_algo"] == "FP8"
+        assert {"lm_head", "*router*", "*embed_tokens*"} <= set(hf_quant["exclude_modules"])
+        assert hf_quant["quant_algo"] == {"none": None, "fp8": "FP8", "nvfp4": "MIXED_PRECISION"}[recipe]
+        assert config["quantization_config"]["quant_method"] == "modelopt"
+        assert config["quantization_config"]["quant_algo"] == hf_quant["quant_algo"]
+    if recipe == "nvfp4":
+        layers = hf_quant["quantized_layers"]
+        assert layers["model.layers.1.mlp.experts"] == {"quant_algo": "NVFP4", "group_size": 16}
+        assert layers["model.layers.0.self_attn.q_proj"] == {"quant_algo": "FP8"}
+        assert len(layers) == LAYERS * 5
+
+    ref, dq = load_dequantized_state_dict(gptoss_dir), load_dequantized_state_dict(dst)
+    assert dq.keys() == ref.keys()
+    for name in ref:
+        err = rel_err(dq[name], ref[name])
+        quantized = name in result.formats
+        expert = name.endswith(EXPERT_PARAMS)
+        limit = 0.05 if quantized and not (expert and recipe in ("nvfp4", "mxfp4")) else 0.0
+        assert err <= limit, (name, err)
+
+
+def test_none_recipe_loads_in_transformers_with_identical_logits(gptoss_dir, tmp_path):
+    convert_checkpoint(gptoss_dir, tmp_path / "bf16", "none", progress=False)
+    plain = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    mx = transformers.GptOssForCausalLM.from_pretrained(
+        gptoss_dir, dtype=torch.bfloat16, quantization_config=transformers.Mxfp4Config(dequantize=True)
+    )
+    ids = torch.arange(12).view(1, 12)
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, mx(ids).logits)
+
+
+def test_input_amax_becomes_input_scale(gptoss_dir, tmp_path):
+    amax = {"model.layers.0.self_attn.q_proj.weight": 3.0, "model.layers.1.mlp.experts.down_proj": 12.0}
+    convert_checkpoint(gptoss_dir, tmp_path / "o", "nvfp4", input_amax=amax, progress=False)
+    reader = ShardedReader(tmp_path / "o")
+    assert reader.read("model.layers.0.self_attn.q_proj.input_scale").item() == pytest.approx(3.0 / 448)
+    assert reader.read("model.layers.1.mlp.experts.down_proj_input_scale").item() == pytest.approx(12.0 / (6 * 448))
+    with pytest.raises(InputError, match="input_amax"):
+        convert_checkpoint(gptoss_dir, tmp_path / "p", "nvfp4", input_amax={"model.norm.weight": 1.0}, progress=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# drafter
+
+
+def test_nvfp4_on_drafter(drafter_dir, tmp_path):
+    result = convert_checkpoint(drafter_dir, tmp_path / "d", "nvfp4", progress=False)
+    reader = ShardedReader(tmp_path / "d")
+    infos = reader.infos
+    assert infos["fc.weight"].dtype == torch.float8_e4m3fn and "fc.weight_scale" in infos
+    assert infos["layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert infos["layers.0.mlp.gate_proj.weight"].dtype == torch.uint8
+    assert infos["layers.0.mlp.gate_proj.weight_scale"].shape == (96, 4)
+    assert infos["layers.0.mlp.down_proj.weight_scale_2"].shape == ()
+    for kept in ("hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight", "layers.0.self_attn.q_proj.bias"):
+        assert infos[kept].dtype == torch.bfloat16
+    layers = json.loads((tmp_path / "d" / "hf_quant_config.json").read_text())["quantization"]["quantized_layers"]
+    assert layers["fc"] == {"quant_algo": "FP8"} and layers["layers.0.mlp.up_proj"]["quant_algo"] == "NVFP4"
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [0, 1, 2]
+    ref, dq = load_dequantized_state_dict(drafter_dir), load_dequantized_state_dict(tmp_path / "d")
+    for name in ref:
+        limit = {"fp8": 0.05, "nvfp4": 0.15}.get(getattr(result.formats.get(name), "value", ""), 0.0)
+        assert rel_err(dq[name], ref[name]) <= limit, name
+
+
+def test_mxfp4_recipe_leaves_drafter_unquantized(drafter_dir, tmp_path):
+    result = convert_checkpoint(drafter_dir, tmp_path / "d", "mxfp4", progress=False)
+    assert result.formats == {}
+    assert "quantization_config" not in json.loads((tmp_path / "d" / "config.json").read_text())
+
+
+# ----------------------------------------------------------------------------------------------
+# streaming and atomicity
+
+
+def test_streaming_writes_pieces_into_many_shards(gptoss_dir, tmp_path, monkeypatch):
+    """One writer open at a time, experts arrive one at a time, shards close at the size limit."""
+    monkeypatch.setattr(convert_mod, "CHUNK_ELEMENTS", 1)  # force one expert per piece
+    open_writers, max_open, pieces = [0], [0], []
+    real_init, real_close = safetensors_io.StreamingShardWriter.__init__, safetensors_io.StreamingShardWriter.close
+    real_write = safetensors_io.StreamingShardWriter.write
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        open_writers[0] += 1
+        max_open[0] = max(max_open[0], open_writers[0])
+
+    def close(self):
+        open_writers[0] -= 1
+        real_close(self)
+
+    def write(self, name, piece):
+        pieces.append((name, piece.numel() * piece.element_size()))
+        return real_write(self, name, piece)
+
+    monkeypatch.setattr(safetensors_io.StreamingShardWriter, "__init__", init)
+    monkeypatch.setattr(safetensors_io.StreamingShardWriter, "close", close)
+    monkeypatch.setattr(safetensors_io.StreamingShardWriter, "write", write)
+    result = convert_checkpoint(gptoss_dir, tmp_path / "o", "nvfp4", max_shard_bytes=20_000, progress=False)
+    assert max_open[0] == 1 and open_writers[0] == 0
+    assert result.shards == len(set(check_index(tmp_path / "o").values())) >= 4
+    expert_pieces = [b for n, b in pieces if n == "model.layers.0.mlp.experts.gate_up_proj"]
+    assert len(expert_pieces) == EXPERTS  # never the whole tensor at once
+    largest_tensor = max(i.nbytes for i in ShardedReader(tmp_path / "o").infos.values())
+    assert max(b for _, b in pieces) <= largest_tensor
+
+
+def test_failure_leaves_no_partial_output(gptoss_dir, tmp_path, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(convert_mod, "mxfp4_to_nvfp4", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        convert_checkpoint(gptoss_dir, tmp_path / "o", "nvfp4", progress=False)
+    assert os.listdir(tmp_path) == []
+
+
+def test_overwrite_replaces_only_when_asked(gptoss_dir, tmp_path):
+    convert_checkpoint(gptoss_dir, tmp_path / "o", "mxfp4", progress=False)
+    with pytest.raises(InputError, match="already exists"):
+        convert_checkpoint(gptoss_dir, tmp_path / "o", "fp8", progress=False)
+    convert_checkpoint(gptoss_dir, tmp_path / "o", "fp8", overwrite=True, progress=False)
+    assert (tmp_path / "o" / "hf_quant_config.json").exists() and sorted(os.listdir(tmp_path)) == ["o"]
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input
+
+
+def copy_source(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_missing_config_is_an_input_error(gptoss_dir, tmp_path):
+    src = copy_source(gptoss_dir, tmp_path / "src")
+    (src / "config.json").unlink()
+    with pytest.raises(InputError, match="config.json: config.json not found"):
+        convert_checkpoint(src, tmp_path / "o", progress=False)
+
+
+def test_truncated_shard_names_file_and_tensor(gptoss_dir, tmp_path):
+    src = copy_source(gptoss_dir, tmp_path / "src")
+    shard = sorted(src.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(InputError, match=rf"{shard.name}: field '.+': file is truncated"):
+        convert_checkpoint(src, tmp_path / "o", progress=False)
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_shard_and_bad_header(gptoss_dir, tmp_path):
+    src = copy_source(gptoss_dir, tmp_path / "src")
+    shard = sorted(src.glob("model-*.safetensors"))[-1]
+    shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(InputError, match="header is not valid JSON"):
+        convert_checkpoint(src, tmp_path / "o", progress=False)
+    shard.unlink()
+    with pytest.raises(InputError, match="file not found"):
+        convert_checkpoint(src, tmp_path / "o", progress=False)
+
+
+def test_non_finite_weight_names_file_and_tensor(drafter_dir, tmp_path):
+    src = copy_source(drafter_dir, tmp_path / "src")
+    state = {n: ShardedReader(src).read(n) for n in ShardedReader(src).infos}
+    state["layers.0.self_attn.k_proj.weight"][3, 4] = float("nan")
+    for f in src.glob("*.safetensors*"):
+        f.unlink()
+    save_sharded(src, state)
+    with pytest.raises(InputError, match=r"model.safetensors: field 'layers.0.self_attn.k_proj.weight'.*non-finite"):
+        convert_checkpoint(src, tmp_path / "o", "fp8", progress=False)
+
+
+def test_already_quantized_source_is_refused(gptoss_dir, tmp_path):
+    convert_checkpoint(gptoss_dir, tmp_path / "q", "fp8", progress=False)
+    with pytest.raises(InputError, match="already ModelOpt-quantized"):
+        convert_checkpoint(tmp_path / "q", tmp_path / "o", "nvfp4", progress=False)
+
+
+def test_exact_mxfp4_source_decode_matches_codec(gptoss_dir):
+    reader = ShardedReader(gptoss_dir)
+    name = "model.layers.0.mlp.experts.down_proj"
+    want = mxfp4_decode(reader.read(name + "_blocks"), reader.read(name + "_scales")).transpose(-1, -2)
+    assert torch.equal(load_dequantized_state_dict(gptoss_dir)[name], want)

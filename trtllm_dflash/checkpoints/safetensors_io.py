@@ -1,0 +1,277 @@
+"""Sharded safetensors reading and streaming writing, with bounded memory.
+
+Reading: headers are parsed and validated up front (so a truncated file fails before any work,
+naming file and tensor); data is read one slice at a time through ``safetensors.safe_open``,
+re-opened per read so no memory map stays resident longer than one slice.
+
+Writing: the header of a shard is computed from the tensor list before any data exists, then
+pieces are written at their final offsets as they are produced. Memory is one piece, not one
+shard, whatever the model size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from trtllm_dflash.errors import InputError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # same sanity limit the safetensors library applies
+
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e8m0fnu: "F8_E8M0",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+DTYPES_BY_NAME: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Name, dtype and shape of one tensor: enough to lay out a file before the data exists."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+# ----------------------------------------------------------------------------------------------
+# reading
+
+
+def read_header(path: str | Path) -> dict[str, TensorInfo]:
+    """Parse and validate a safetensors header; InputError on a missing, truncated or corrupt file."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError("file not found", path=path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise InputError(f"file is {size} bytes, too short for a safetensors header", path=path, field="header")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > min(_MAX_HEADER_BYTES, size - 8):
+            raise InputError(f"header length {header_len} exceeds the file ({size} bytes)", path=path, field="header")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InputError(f"header is not valid JSON ({e})", path=path, field="header") from None
+    data_bytes = size - 8 - header_len
+    infos = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = DTYPES_BY_NAME.get(entry.get("dtype"))
+        if dtype is None:
+            raise InputError(f"unsupported dtype {entry.get('dtype')!r}", path=path, field=name)
+        info = TensorInfo(name, dtype, tuple(entry["shape"]))
+        begin, end = entry["data_offsets"]
+        if end - begin != info.nbytes:
+            raise InputError(f"data_offsets span {end - begin} bytes, shape needs {info.nbytes}", path=path, field=name)
+        if end > data_bytes:
+            raise InputError(
+                f"file is truncated: tensor ends at byte {end} of a {data_bytes}-byte data section", path=path, field=name
+            )
+        infos[name] = info
+    return infos
+
+
+class ShardedReader:
+    """A checkpoint directory's tensors, via ``model.safetensors.index.json`` or ``*.safetensors``."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.files: dict[str, Path] = {}
+        self.infos: dict[str, TensorInfo] = {}
+        for file in self._shard_files():
+            for name, info in read_header(file).items():
+                if name in self.infos:
+                    raise InputError(f"tensor also present in {self.files[name].name}", path=file, field=name)
+                self.files[name] = file
+                self.infos[name] = info
+        self._check_index()
+
+    def _shard_files(self) -> list[Path]:
+        if not self.directory.is_dir():
+            raise InputError("checkpoint directory not found", path=self.directory)
+        index = self.directory / INDEX_NAME
+        if index.is_file():
+            weight_map = self._weight_map(index)
+            return [self.directory / f for f in sorted(set(weight_map.values()))]
+        files = sorted(self.directory.glob("*.safetensors"))
+        if not files:
+            raise InputError("no *.safetensors files and no index", path=self.directory, field=SINGLE_NAME)
+        return files
+
+    @staticmethod
+    def _weight_map(index: Path) -> dict[str, str]:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise InputError(f"expected a JSON object with a 'weight_map' ({e})", path=index, field="weight_map") from None
+        if not isinstance(weight_map, dict):
+            raise InputError("'weight_map' must map tensor names to shard files", path=index, field="weight_map")
+        return weight_map
+
+    def _check_index(self) -> None:
+        index = self.directory / INDEX_NAME
+        if not index.is_file():
+            return
+        for name, file in self._weight_map(index).items():
+            if name not in self.infos:
+                raise InputError(f"index lists tensor in {file} but no shard holds it", path=index, field=name)
+            if self.files[name].name != file:
+                raise InputError(f"index says {file}, tensor is in {self.files[name].name}", path=index, field=name)
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Tensor ``name`` (rows ``start:stop`` of dim 0 if given), copied out of the memory map."""
+        with safe_open(self.files[name], framework="pt") as f:
+            if start is None and stop is None:
+                return f.get_tensor(name)
+            return f.get_slice(name)[start:stop]
+
+
+# ----------------------------------------------------------------------------------------------
+# writing
+
+
+def shard_names(count: int) -> list[str]:
+    """HF shard file names: ``model.safetensors`` for one, ``model-0000i-of-0000n.safetensors`` otherwise."""
+    if count == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def group_into_shards(group_bytes: Sequence[int], max_shard_bytes: int) -> list[list[int]]:
+    """Greedily pack consecutive groups (indices) into shards of at most ``max_shard_bytes``.
+
+    A group never straddles two shards; one larger than the limit gets a shard of its own.
+    """
+    shards: list[list[int]] = []
+    current, size = [], 0
+    for i, nbytes in enumerate(group_bytes):
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+class StreamingShardWriter:
+    """Writes one safetensors file whose layout is fixed up front; tensor data arrives in pieces.
+
+    Each tensor's pieces must arrive in row-major order (they are appended at that tensor's
+    cursor); different tensors may interleave. :meth:`close` fails if any tensor is incomplete.
+    """
+
+    def __init__(self, path: str | Path, infos: Sequence[TensorInfo], metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        self._offset: dict[str, int] = {}
+        self._end: dict[str, int] = {}
+        position = 0
+        for info in infos:
+            header[info.name] = {
+                "dtype": DTYPE_NAMES[info.dtype],
+                "shape": list(info.shape),
+                "data_offsets": [position, position + info.nbytes],
+            }
+            self._offset[info.name] = position
+            self._end[info.name] = position + info.nbytes
+            position += info.nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # keep tensor data 8-byte aligned
+        self._data_start = 8 + len(encoded)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(self._fd, struct.pack("<Q", len(encoded)) + encoded)
+        os.ftruncate(self._fd, self._data_start + position)
+
+    def write(self, name: str, piece: torch.Tensor) -> int:
+        """Append ``piece`` (the next rows of tensor ``name``); returns bytes written."""
+        data = piece.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        if self._offset[name] + data.nbytes > self._end[name]:
+            raise ValueError(f"{self.path.name}: piece overruns tensor {name}")
+        position = self._data_start + self._offset[name]
+        view = memoryview(data)
+        while len(view):
+            written = os.pwrite(self._fd, view, position)
+            view, position = view[written:], position + written
+        self._offset[name] += data.nbytes
+        return data.nbytes
+
+    def close(self) -> None:
+        os.close(self._fd)
+        incomplete = [n for n, off in self._offset.items() if off != self._end[n]]
+        if incomplete:
+            raise ValueError(f"{self.path.name}: tensors left incomplete: {incomplete[:5]}")
+
+    def __enter__(self) -> StreamingShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            os.close(self._fd)
+
+
+def write_index(directory: str | Path, weight_map: dict[str, str], total_size: int) -> Path:
+    """Write ``model.safetensors.index.json`` (``metadata.total_size`` + sorted ``weight_map``)."""
+    path = Path(directory) / INDEX_NAME
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    path.write_text(json.dumps(index, indent=2) + "\n")
+    return path
+
+
+def save_sharded(
+    directory: str | Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int = 5 * 2**30
+) -> dict[str, str]:
+    """Save an in-memory state dict as HF shards + index (small models, fixtures). Returns the weight map."""
+    infos = [TensorInfo(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    groups = group_into_shards([i.nbytes for i in infos], max_shard_bytes)
+    weight_map = {}
+    for file, members in zip(shard_names(len(groups)), groups):
+        with StreamingShardWriter(Path(directory) / file, [infos[i] for i in members]) as writer:
+            for i in members:
+                writer.write(infos[i].name, tensors[infos[i].name])
+                weight_map[infos[i].name] = file
+    write_index(directory, weight_map, sum(i.nbytes for i in infos))
+    return weight_map
+
+
+def iter_pieces(reader: ShardedReader, name: str, max_piece_bytes: int) -> Iterable[torch.Tensor]:
+    """Yield tensor ``name`` as dim-0 slices of at most ~``max_piece_bytes`` (whole if 0-d)."""
+    info = reader.infos[name]
+    if not info.shape or info.shape[0] == 0:
+        yield reader.read(name)
+        return
+    rows = max(1, max_piece_bytes // max(1, info.nbytes // info.shape[0]))
+    for start in range(0, info.shape[0], rows):
+        yield reader.read(name, start, min(start + rows, info.shape[0]))

@@ -1,0 +1,462 @@
+"""Streaming checkpoint quantizer (gpt-oss target or DFlash drafter) and the dequantizing loader.
+
+Output: a Hugging Face directory in ModelOpt's unified layout, which TensorRT-LLM's PyTorch backend
+reads: each quantized weight keeps its name and gains siblings
+
+* linear ``X.weight`` [out, in]: ``X.weight`` (fp8 [out, in] | uint8 [out, in/2]),
+  ``X.weight_scale`` (fp32 [] | e4m3 [out, in/16]), ``X.weight_scale_2`` (fp32 [], NVFP4),
+  ``X.input_scale`` (fp32 [], only when calibration amax is given);
+* gpt-oss experts ``...mlp.experts.gate_up_proj`` / ``down_proj``: the same siblings joined with
+  ``_`` (``gate_up_proj_weight_scale``, ``..._weight_scale_2``, ``..._input_scale``, the naming
+  TensorRT-LLM's fused-gate-up MoE loader looks up). Quantized experts are stored ``[E, out, in]``
+  (blocks along the contracted input dim, like the source ``*_blocks``), with one global scale per
+  expert (``weight_scale`` / ``weight_scale_2`` of shape [E]); gate/up rows stay interleaved as in
+  the source. bf16 experts use the transformers layout ``[E, in, out]``.
+
+Memory stays flat in the number of layers: tensors are read slice by slice, experts are processed
+a few experts at a time, and every piece is written straight to its final offset in its shard
+(whose layout is computed up front). Everything goes to a temporary sibling directory that is
+renamed into place at the end, so a failure never leaves a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+import torch
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+from trtllm_dflash.checkpoints.safetensors_io import (
+    ShardedReader,
+    StreamingShardWriter,
+    TensorInfo,
+    group_into_shards,
+    iter_pieces,
+    shard_names,
+    write_index,
+)
+from trtllm_dflash.errors import InputError
+from trtllm_dflash.quant.codecs import (
+    E2M1_MAX,
+    E4M3_MAX,
+    MXFP4_BLOCK,
+    NVFP4_BLOCK,
+    fp8_decode,
+    fp8_encode,
+    mxfp4_decode,
+    mxfp4_encode,
+    mxfp4_to_nvfp4,
+    nvfp4_decode,
+    nvfp4_encode,
+)
+from trtllm_dflash.quant.recipes import EXPERTS, KV_CACHE_ALGOS, Format, get_recipe, quant_configs
+
+DEFAULT_SHARD_BYTES = 5 * 2**30
+PIECE_BYTES = 64 * 2**20  # passthrough copy granularity
+CHUNK_ELEMENTS = 2**24  # experts decoded/encoded per step: ~64 MiB of fp32 plus temporaries
+SCALE_KINDS = ("weight_scale", "weight_scale_2", "input_scale")
+AUX_FILES = (
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template*",
+    "vocab*",
+    "merges.txt",
+    "*.tiktoken",
+)
+
+Piece = tuple[str, torch.Tensor]
+
+
+def scale_name(param: str, kind: str) -> str:
+    """Sibling tensor name: ``a.q_proj.weight`` -> ``a.q_proj.weight_scale``; experts join with ``_``."""
+    if param.endswith(".weight"):
+        return param.removesuffix("weight") + kind
+    return f"{param}_{kind}"
+
+
+def is_expert(param: str) -> bool:
+    return any(fnmatchcase(param, p) for p in EXPERTS)
+
+
+# ----------------------------------------------------------------------------------------------
+# planning
+
+
+@dataclass(frozen=True)
+class SourceParam:
+    """One logical source weight: a plain tensor, or an MXFP4 ``*_blocks`` + ``*_scales`` pair."""
+
+    name: str
+    tensors: tuple[str, ...]
+
+    @property
+    def mxfp4(self) -> bool:
+        return len(self.tensors) == 2
+
+
+@dataclass
+class Job:
+    """The output tensors made from one source parameter, and a generator of their pieces."""
+
+    outputs: list[TensorInfo]
+    pieces: Callable[[], Iterator[Piece]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.nbytes for o in self.outputs)
+
+
+def source_params(reader: ShardedReader) -> list[SourceParam]:
+    """Group MXFP4 pairs into one logical parameter; refuse already ModelOpt-quantized inputs."""
+    params = []
+    for name in reader.infos:
+        if name.endswith(("weight_scale", "weight_scale_2", "input_scale")):
+            raise InputError(
+                "source is already quantized (ModelOpt scale tensor); convert from a bf16 or MXFP4 checkpoint",
+                path=reader.files[name],
+                field=name,
+            )
+        if name.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in reader.infos:
+            continue
+        if name.endswith("_blocks"):
+            base = name.removesuffix("_blocks")
+            if base + "_scales" not in reader.infos:
+                raise InputError("MXFP4 blocks without their scales tensor", path=reader.files[name], field=base + "_scales")
+            params.append(SourceParam(base, (name, base + "_scales")))
+        else:
+            params.append(SourceParam(name, (name,)))
+    return params
+
+
+def _canonical_shape(reader: ShardedReader, p: SourceParam) -> tuple[int, ...]:
+    """Logical ``[..., out, in]`` shape (experts ``[E, out, in]``) whatever the storage layout."""
+    shape = reader.infos[p.tensors[0]].shape
+    if p.mxfp4:
+        return shape[:-2] + (shape[-2] * MXFP4_BLOCK,)
+    if is_expert(p.name):
+        return shape[:-2] + (shape[-1], shape[-2])
+    return shape
+
+
+def _rows_per_chunk(shape: tuple[int, ...], per_row_scale: bool) -> int:
+    """Rows of dim 0 handled per step: several experts at once, but a per-tensor scale needs all rows."""
+    if not per_row_scale:
+        return shape[0]
+    return max(1, CHUNK_ELEMENTS // max(1, math.prod(shape[1:])))
+
+
+def _row_ranges(n: int, step: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, n, step):
+        yield start, min(start + step, n)
+
+
+def _canonical_chunks(reader: ShardedReader, p: SourceParam, rows: int) -> Iterator[torch.Tensor]:
+    """fp32 ``[k, ..., out, in]`` slices of the logical weight (MXFP4 decoded exactly)."""
+    path = str(reader.files[p.tensors[0]])
+    n = reader.infos[p.tensors[0]].shape[0]
+    for a, b in _row_ranges(n, rows):
+        if p.mxfp4:
+            yield mxfp4_decode(reader.read(p.tensors[0], a, b), reader.read(p.tensors[1], a, b), name=p.name, path=path)
+        else:
+            chunk = reader.read(p.name, a, b).float()
+            yield chunk.transpose(-1, -2).contiguous() if is_expert(p.name) else chunk
+
+
+def _passthrough(reader: ShardedReader, names: tuple[str, ...]) -> Job:
+    def pieces() -> Iterator[Piece]:
+        for name in names:
+            for piece in iter_pieces(reader, name, PIECE_BYTES):
+                yield name, piece
+
+    return Job([reader.infos[n] for n in names], pieces)
+
+
+def _to_bf16(reader: ShardedReader, p: SourceParam) -> Job:
+    """Dequantize an MXFP4 source to bf16 (experts transposed to transformers' ``[E, in, out]``)."""
+    shape = _canonical_shape(reader, p)
+    expert = is_expert(p.name)
+    out_shape = shape[:-2] + (shape[-1], shape[-2]) if expert else shape
+
+    def pieces() -> Iterator[Piece]:
+        for chunk in _canonical_chunks(reader, p, _rows_per_chunk(shape, True)):
+            yield p.name, (chunk.transpose(-1, -2) if expert else chunk).to(torch.bfloat16)
+
+    return Job([TensorInfo(p.name, torch.bfloat16, out_shape)], pieces)
+
+
+def _to_mxfp4(reader: ShardedReader, p: SourceParam) -> Job:
+    shape = _canonical_shape(reader, p)
+    path = str(reader.files[p.name])
+    blocks, scales = p.name + "_blocks", p.name + "_scales"
+    nb = shape[-1] // MXFP4_BLOCK
+    outputs = [
+        TensorInfo(blocks, torch.uint8, shape[:-1] + (nb, MXFP4_BLOCK // 2)),
+        TensorInfo(scales, torch.uint8, shape[:-1] + (nb,)),
+    ]
+
+    def pieces() -> Iterator[Piece]:
+        for chunk in _canonical_chunks(reader, p, _rows_per_chunk(shape, True)):
+            b, s = mxfp4_encode(chunk, name=p.name, path=path)
+            yield blocks, b
+            yield scales, s
+
+    return Job(outputs, pieces)
+
+
+def _to_scaled(reader: ShardedReader, p: SourceParam, fmt: Format, input_amax: float | None) -> Job:
+    """FP8 or NVFP4 weight + scales (+ input_scale from calibration amax)."""
+    shape = _canonical_shape(reader, p)
+    path = str(reader.files[p.tensors[0]])
+    scale_dims = 1 if is_expert(p.name) else 0
+    global_shape = shape[:scale_dims]
+    ws, ws2 = scale_name(p.name, "weight_scale"), scale_name(p.name, "weight_scale_2")
+    if fmt is Format.FP8:
+        outputs = [TensorInfo(p.name, torch.float8_e4m3fn, shape), TensorInfo(ws, torch.float32, global_shape)]
+    else:
+        outputs = [
+            TensorInfo(p.name, torch.uint8, shape[:-1] + (shape[-1] // 2,)),
+            TensorInfo(ws, torch.float8_e4m3fn, shape[:-1] + (shape[-1] // NVFP4_BLOCK,)),
+            TensorInfo(ws2, torch.float32, global_shape),
+        ]
+    if input_amax is not None:
+        outputs.append(TensorInfo(scale_name(p.name, "input_scale"), torch.float32, ()))
+    rows = _rows_per_chunk(shape, scale_dims == 1)
+
+    def encoded() -> Iterator[tuple[torch.Tensor, ...]]:
+        if fmt is Format.NVFP4 and p.mxfp4:  # exact re-expression, no decode on the fast path
+            for a, b in _row_ranges(shape[0], rows):
+                blocks, scales = reader.read(p.tensors[0], a, b), reader.read(p.tensors[1], a, b)
+                yield mxfp4_to_nvfp4(blocks, scales, scale_dims=scale_dims, name=p.name, path=path)
+            return
+        encode = fp8_encode if fmt is Format.FP8 else nvfp4_encode
+        for chunk in _canonical_chunks(reader, p, rows):
+            yield encode(chunk, scale_dims=scale_dims, name=p.name, path=path)
+
+    def pieces() -> Iterator[Piece]:
+        for parts in encoded():
+            yield from zip((o.name for o in outputs), parts)
+        if input_amax is not None:
+            divisor = E4M3_MAX if fmt is Format.FP8 else E2M1_MAX * E4M3_MAX
+            yield outputs[-1].name, torch.tensor(input_amax / divisor, dtype=torch.float32)
+
+    return Job(outputs, pieces)
+
+
+def plan_job(reader: ShardedReader, p: SourceParam, fmt: Format, input_amax: float | None = None) -> Job:
+    """How source parameter ``p`` becomes output tensors in format ``fmt``."""
+    if fmt is Format.BF16:
+        return _to_bf16(reader, p) if p.mxfp4 else _passthrough(reader, p.tensors)
+    if fmt is Format.MXFP4:
+        return _passthrough(reader, p.tensors) if p.mxfp4 else _to_mxfp4(reader, p)
+    return _to_scaled(reader, p, fmt, input_amax)
+
+
+# ----------------------------------------------------------------------------------------------
+# conversion
+
+
+@dataclass
+class ConversionResult:
+    """What :func:`convert_checkpoint` wrote. ``kv_cache_dtype`` must also reach the LLM-API
+    ``kv_cache_config.dtype`` when the recipe writes no ``hf_quant_config.json`` (``mxfp4``)."""
+
+    output_dir: Path
+    recipe: str
+    kv_cache_dtype: str
+    formats: dict[str, Format] = field(default_factory=dict)
+    shards: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise InputError(f"{what} not found", path=path)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise InputError(f"not valid JSON ({e})", path=path) from None
+    if not isinstance(data, dict):
+        raise InputError("expected a JSON object", path=path)
+    return data
+
+
+def _check_source(src: Path, config: dict) -> None:
+    if (src / "hf_quant_config.json").exists():
+        raise InputError(
+            "source is already ModelOpt-quantized; convert from a bf16 or MXFP4 checkpoint", path=src / "hf_quant_config.json"
+        )
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "mxfp4"):
+        raise InputError(
+            f"quant_method {method!r} cannot be converted; expected a bf16 or native-MXFP4 checkpoint",
+            path=src / "config.json",
+            field="quantization_config.quant_method",
+        )
+
+
+def _check_amax(input_amax: Mapping[str, float], formats: dict[str, Format]) -> None:
+    for name, amax in input_amax.items():
+        if formats.get(name) not in (Format.FP8, Format.NVFP4):
+            raise InputError("no FP8/NVFP4 weight of this name in the recipe's output", field=f"input_amax[{name!r}]")
+        if not (math.isfinite(amax) and amax > 0):
+            raise InputError(f"amax must be finite and > 0, got {amax}", field=f"input_amax[{name!r}]")
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        disable=not enabled,
+    )
+
+
+def _write_shards(out: Path, jobs: list[Job], max_shard_bytes: int, show_progress: bool) -> dict[str, str]:
+    groups = group_into_shards([j.nbytes for j in jobs], max_shard_bytes)
+    weight_map = {}
+    with _progress(show_progress) as progress:
+        task = progress.add_task("quantizing", total=sum(j.nbytes for j in jobs))
+        for file, members in zip(shard_names(len(groups)), groups):
+            infos = [o for i in members for o in jobs[i].outputs]
+            with StreamingShardWriter(out / file, infos) as writer:
+                for i in members:
+                    for name, piece in jobs[i].pieces():
+                        progress.advance(task, writer.write(name, piece))
+            weight_map.update({o.name: file for o in infos})
+    return weight_map
+
+
+def _write_metadata(src: Path, out: Path, config: dict, hf_quant: dict | None, quantization: dict | None) -> None:
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    if quantization is not None:
+        config["quantization_config"] = quantization
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if hf_quant is not None:
+        (out / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
+    for pattern in AUX_FILES:
+        for file in src.glob(pattern):
+            if file.is_file():
+                shutil.copy2(file, out / file.name)
+
+
+def _publish(tmp: Path, dst: Path) -> None:
+    """Move the finished ``tmp`` to ``dst``; an existing ``dst`` is only removed after the swap."""
+    if not dst.exists():
+        tmp.rename(dst)
+        return
+    old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+    dst.rename(old)
+    tmp.rename(dst)
+    shutil.rmtree(old)
+
+
+def convert_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    recipe: str = "nvfp4",
+    *,
+    kv_cache_dtype: str = "auto",
+    input_amax: Mapping[str, float] | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> ConversionResult:
+    """Quantize the HF checkpoint in ``src`` (gpt-oss or DFlash drafter) into ``dst`` with ``recipe``.
+
+    ``kv_cache_dtype``: ``"auto"`` (model dtype) or ``"fp8"`` (written as ``kv_cache_quant_algo``).
+    ``input_amax``: calibrated activation amax per quantized logical parameter name (e.g.
+    ``model.layers.0.self_attn.q_proj.weight``, ``model.layers.0.mlp.experts.gate_up_proj``); each
+    becomes an ``input_scale`` of ``amax / 448`` (FP8) or ``amax / (6 * 448)`` (NVFP4). Without it
+    no ``input_scale`` is written (static-activation kernels then need calibration first).
+    """
+    started = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    plan = get_recipe(recipe)
+    if kv_cache_dtype not in KV_CACHE_ALGOS:
+        raise InputError(f"expected one of {sorted(KV_CACHE_ALGOS)}", field="kv_cache_dtype")
+    if dst.exists() and not overwrite:
+        raise InputError("output directory already exists (pass overwrite=True to replace it)", path=dst)
+    config = _read_json(src / "config.json", "config.json")
+    _check_source(src, config)
+    reader = ShardedReader(src)
+    params = source_params(reader)
+    formats = {p.name: plan.format_for(p.name) for p in params}
+    quantized = {n: f for n, f in formats.items() if f is not Format.BF16}
+    amax = dict(input_amax or {})
+    _check_amax(amax, quantized)
+    jobs = [plan_job(reader, p, formats[p.name], amax.get(p.name)) for p in params]
+    hf_quant, quantization = quant_configs(plan, kv_cache_dtype, quantized, config.get("quantization_config"))
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    try:
+        weight_map = _write_shards(tmp, jobs, max_shard_bytes, progress)
+        total = sum(j.nbytes for j in jobs)
+        write_index(tmp, weight_map, total)
+        _write_metadata(src, tmp, config, hf_quant, quantization)
+        _publish(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ConversionResult(
+        dst, recipe, kv_cache_dtype, quantized, len(set(weight_map.values())), total, time.perf_counter() - started
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# round trip
+
+
+def _companions(names: set[str]) -> set[str]:
+    """Scale / MXFP4-scales tensors that belong to another tensor in ``names``."""
+    found = {scale_name(n, k) for n in names for k in SCALE_KINDS} & names
+    found |= {n.removesuffix("_blocks") + "_scales" for n in names if n.endswith("_blocks")} & names
+    return found
+
+
+def load_dequantized_state_dict(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every weight of a checkpoint (source or converted) as plain ``dtype`` tensors.
+
+    Names are the MXFP4-free HF names, so a converted checkpoint and its source compare key by key
+    and load into transformers' ``GptOssForCausalLM`` / the drafter with ``load_state_dict``:
+    quantized linears come back as ``X.weight [out, in]``; experts (MXFP4, FP8 or NVFP4) come back
+    as ``...experts.gate_up_proj`` / ``down_proj`` in transformers' ``[E, in, out]`` layout. Scale
+    tensors are consumed; non-float tensors are returned unchanged.
+    """
+    reader = ShardedReader(checkpoint_dir)
+    names = set(reader.infos)
+    skip = _companions(names)
+    state: dict[str, torch.Tensor] = {}
+    for name in reader.infos:
+        if name in skip:
+            continue
+        path = str(reader.files[name])
+        if name.endswith("_blocks") and name.removesuffix("_blocks") + "_scales" in names:
+            base = name.removesuffix("_blocks")
+            weight = mxfp4_decode(reader.read(name), reader.read(base + "_scales"), name=base, path=path)
+        elif scale_name(name, "weight_scale") in names:
+            base, q, ws = name, reader.read(name), reader.read(scale_name(name, "weight_scale"))
+            if q.dtype == torch.uint8:
+                weight = nvfp4_decode(q, ws, reader.read(scale_name(name, "weight_scale_2")))
+            else:
+                weight = fp8_decode(q, ws)
+        else:
+            tensor = reader.read(name)
+            state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+            continue
+        state[base] = (weight.transpose(-1, -2).contiguous() if is_expert(base) else weight).to(dtype)
+    return state
