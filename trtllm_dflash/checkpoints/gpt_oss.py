@@ -47,14 +47,32 @@ def stop_token_ids(directory: Path, config: dict[str, Any]) -> list[int]:
     return [ids] if isinstance(ids, int) else [int(i) for i in ids]
 
 
+def is_modelopt_quantized(directory: Path, config: dict[str, Any]) -> bool:
+    """A checkpoint our converter (or ModelOpt) wrote with FP8 / NVFP4 scale tensors."""
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    return method == "modelopt" or (directory / "hf_quant_config.json").is_file()
+
+
 def load_hf_gpt_oss(directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """transformers' GptOssForCausalLM with eager attention; MXFP4 experts dequantized."""
-    from transformers import GptOssForCausalLM, Mxfp4Config
+    """transformers' GptOssForCausalLM with eager attention; MXFP4 experts dequantized, and
+    FP8 / NVFP4 checkpoints dequantized by our codecs (so acceptance can be measured on them)."""
+    from transformers import GptOssConfig, GptOssForCausalLM, Mxfp4Config
     from transformers.utils import logging as hf_logging
 
     directory = Path(directory)
     raw = read_target_config(directory)
     files = check_weight_files(directory)
+    if is_modelopt_quantized(directory, raw):
+        from ..quant.convert import load_dequantized_state_dict
+
+        config = GptOssConfig.from_dict({k: v for k, v in raw.items() if k != "quantization_config"})
+        config._attn_implementation = "eager"
+        model = GptOssForCausalLM(config)
+        missing, _ = model.load_state_dict(load_dequantized_state_dict(directory, dtype), strict=False)
+        missing = [name for name in missing if not name.endswith("inv_freq")]
+        if missing:
+            raise InputError(f"{len(missing)} weight(s) missing, e.g. {missing[:3]}.", path=files[0])
+        return model.to(device=device, dtype=dtype).eval()
     kwargs: dict[str, Any] = {}
     if (raw.get("quantization_config") or {}).get("quant_method") == "mxfp4":
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)

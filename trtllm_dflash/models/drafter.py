@@ -283,7 +283,12 @@ def load_drafter(directory: str | Path, device: str | torch.device = "cpu",
     directory = Path(directory)
     config_path = directory / "config.json"
     cfg = DFlashConfig.from_json(config_path)
-    state = normalize_drafter_keys(load_state_dict(directory))
+    if (directory / "hf_quant_config.json").is_file():  # FP8 / NVFP4 drafter: dequantize exactly
+        from ..quant.convert import load_dequantized_state_dict
+
+        state = normalize_drafter_keys(load_dequantized_state_dict(directory))
+    else:
+        state = normalize_drafter_keys(load_state_dict(directory))
     model = DFlashDrafter(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     weights_file = directory / "model.safetensors"
