@@ -1,4 +1,4 @@
-"""dflash-build: validate a target/drafter pair (engine-directory writing comes with the build issue)."""
+"""dflash-build: validate a gpt-oss target + DFlash drafter and write a self-checking engine directory."""
 
 from __future__ import annotations
 
@@ -11,19 +11,62 @@ from trtllm_dflash.errors import InputError
 from .common import clean_errors
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--target", "target_dir", type=click.Path(path_type=Path), required=True)
-@click.option("--drafter", "drafter_dir", type=click.Path(path_type=Path), required=True)
-@click.option("--check", is_flag=True, help="Validate only; write nothing.")
-@clean_errors
-def main(target_dir, drafter_dir, check):
-    """Check that a gpt-oss target and a DFlash drafter fit together."""
-    from trtllm_dflash.checkpoints.validate import validate_pair
+def embedded_pair() -> tuple[Path, Path]:
+    """The pair shipped inside the package, once it is (trtllm_dflash.embedded.pair_paths)."""
+    from trtllm_dflash import embedded
 
-    pair = validate_pair(target_dir, drafter_dir)
-    if not check:
-        raise InputError("writing engine directories is not implemented yet; only --check is available.",
-                         field="--check")
-    cfg = pair.drafter_config
-    click.echo(f"ok: drafter ({cfg.num_hidden_layers} layers, block {cfg.block_size}, target layers "
-               f"{cfg.target_layer_ids}) fits target {target_dir}")
+    pair_paths = getattr(embedded, "pair_paths", None)
+    if pair_paths is None:
+        raise InputError("the embedded target/drafter pair is not available in this version; pass --target DIR "
+                         "and --drafter DIR.", field="--target")
+    target, drafter = pair_paths()
+    return Path(target), Path(drafter)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--target", "target_dir", type=click.Path(path_type=Path),
+              help="gpt-oss checkpoint (HF layout). Default: the embedded pair.")
+@click.option("--drafter", "drafter_dir", type=click.Path(path_type=Path),
+              help="DFlash drafter (z-lab layout). Default: the embedded pair.")
+@click.option("-o", "--output", "output_dir", type=click.Path(path_type=Path), required=True,
+              help="Engine directory to write.")
+@click.option("--profile", default="cpu-reference", show_default=True,
+              help="Hardware profile name (build_configs/NAME.yaml) or a YAML file.")
+@click.option("--quant", default="keep", show_default=True,
+              help="Target weights: keep (byte-for-byte copy), none (bf16), fp8, nvfp4 or mxfp4.")
+@click.option("--drafter-quant", default="keep", show_default=True, help="Drafter weights: same choices.")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), help="Default: the profile's.")
+@click.option("--max-draft-len", type=int, help="Drafts per step. Default: drafter block_size - 1.")
+@click.option("--max-seq-len", type=int, help="Default: the profile's.")
+@click.option("--tp", type=int, help="Tensor parallel size. Default: the profile's.")
+@click.option("--ep", type=int, help="MoE expert parallel size. Default: the profile's.")
+@click.option("--triton-repo", type=click.Path(path_type=Path), help="Also write a Triton model repository here.")
+@click.option("--check", is_flag=True, help="Validate only; write nothing.")
+@click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@clean_errors
+def main(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_cache_dtype, max_draft_len,
+         max_seq_len, tp, ep, triton_repo, check, force, quiet):
+    """Build an engine directory: checkpoints, llm_api_options.yaml, a Triton repository and a
+    manifest with the sha256 of every file. Interrupted builds resume where they stopped."""
+    from trtllm_dflash.engine.build import BuildOptions, build_engine, plan_build
+
+    if (target_dir is None) != (drafter_dir is None):
+        raise InputError("give both --target and --drafter, or neither (the embedded pair).",
+                         field="--drafter" if drafter_dir is None else "--target")
+    if target_dir is None:
+        target_dir, drafter_dir = embedded_pair()
+    options = BuildOptions(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_cache_dtype,
+                           max_draft_len, max_seq_len, tp, ep, triton_repo, force)
+    if check:
+        plan = plan_build(options)
+        spec = plan.llm_options.speculative_config
+        click.echo(f"ok: {target_dir} + {drafter_dir} fit; profile {plan.profile.name}, max_draft_len "
+                   f"{spec.max_draft_len}, TP {plan.llm_options.tensor_parallel_size} (nothing written)")
+        return
+    result = build_engine(options, show_progress=not quiet, log=click.echo)
+    engine = result.engine
+    click.echo(f"engine: {engine.root} ({len(engine.manifest['files'])} files, built {', '.join(result.built) or '-'})")
+    click.echo(f"serve:  cd {engine.root} && trtllm-serve ./target --extra_llm_api_options llm_api_options.yaml")
+    if result.triton_repo is not None:
+        click.echo(f"triton: tritonserver --model-repository {result.triton_repo}")

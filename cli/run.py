@@ -34,24 +34,24 @@ def encode_prompts(prompts: list[str | list[int]], tokenizer, chat: bool, target
     return encoded
 
 
-def resolve_pair(engine_dir: Path | None, target_dir: Path | None, drafter_dir: Path | None,
-                 verify: bool) -> tuple[Path, Path, Path | None]:
-    """(target, drafter, engine root or None) from ENGINE_DIR, --target/--drafter, or the embedded default."""
+def resolve_pair(engine_dir: Path | None, target_dir: Path | None, drafter_dir: Path | None, verify: bool):
+    """(target, drafter, engine or None) from ENGINE_DIR, --target/--drafter, or the embedded default
+    (built once into the user cache as an engine, then reused)."""
+    from trtllm_dflash.engine.manifest import open_engine
+
     if engine_dir is not None:
         if target_dir or drafter_dir:
             raise InputError("give either ENGINE_DIR or --target/--drafter, not both.", field="ENGINE_DIR")
-        from trtllm_dflash.engine import open_engine
-
         engine = open_engine(engine_dir, verify_checksums=verify)
-        return engine.target_dir, engine.drafter_dir, engine.root
+        return engine.target_dir, engine.drafter_dir, engine
     if target_dir and drafter_dir:
         return target_dir, drafter_dir, None
     if target_dir or drafter_dir:
         raise InputError("--target and --drafter go together.", field="--drafter" if target_dir else "--target")
-    from trtllm_dflash.embedded import pair_paths
+    from trtllm_dflash.engine.build import default_engine
 
-    target_dir, drafter_dir = pair_paths()
-    return target_dir, drafter_dir, None
+    engine = default_engine(log=lambda message: click.echo(message, err=True))
+    return engine.target_dir, engine.drafter_dir, engine
 
 
 class StreamPrinter:
@@ -119,7 +119,8 @@ def json_record(prompt, result, tokenizer, baseline=None) -> dict:
 
 
 def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, drafter_dir: Path, draft_method: str,
-                  block_size: int | None, device: str, dtype: str, with_baseline: bool):
+                  block_size: int | None, schedule: dict[int, int] | None, device: str, dtype: str,
+                  with_baseline: bool):
     """The runtime(s) for this run: [main] or [main, autoregressive baseline]."""
     if backend == "trtllm":
         if engine_root is None:
@@ -147,7 +148,7 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
         proposer = NGramProposer(num_drafts=width - 1)
     else:
         proposer = DFlashProposer(load_drafter(drafter_dir, torch_device, torch_dtype), target, block_size)
-    runtimes = [ReferenceRuntime(target, proposer)]
+    runtimes = [ReferenceRuntime(target, proposer, draft_len_schedule=schedule)]
     if with_baseline:
         runtimes.append(ReferenceRuntime(target, None))
     return runtimes
@@ -192,8 +193,14 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     from trtllm_dflash.runtime.sampling import SamplingParams
     from trtllm_dflash.runtime.stats import GenerationInterrupted
 
-    target_dir, drafter_dir, engine_root = resolve_pair(engine_dir, target_dir, drafter_dir, verify)
+    target_dir, drafter_dir, engine = resolve_pair(engine_dir, target_dir, drafter_dir, verify)
     pair = validate_pair(target_dir, drafter_dir, block_size)
+    schedule = None
+    if engine is not None:
+        from trtllm_dflash.engine.load import engine_speculation
+
+        engine_block, schedule = engine_speculation(engine)
+        block_size = block_size or engine_block
     prompts: list[str | list[int]] = list(prompt_texts) + (read_prompts_file(prompts_file) if prompts_file else [])
     if not prompts:
         from trtllm_dflash.embedded import heldout_prompts
@@ -207,8 +214,8 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
 
     chosen, reason = choose_backend(backend)
     click.echo(f"backend: {chosen} ({reason})", err=True)
-    runtimes = build_runtime(chosen, engine_root, target_dir, drafter_dir, draft_method, block_size, device, dtype,
-                             baseline)
+    runtimes = build_runtime(chosen, engine.root if engine else None, target_dir, drafter_dir, draft_method,
+                             block_size, schedule, device, dtype, baseline)
     for runtime in runtimes:
         if hasattr(runtime, "warm_up"):
             runtime.warm_up(prompt_ids[0])

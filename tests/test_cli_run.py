@@ -185,3 +185,30 @@ def test_ctrl_c_prints_statistics_and_exits_130(tiny_pair):
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err + out
     assert "acceptance length" in out
+
+
+def test_run_engine_directory_and_verify(tiny_pair, tmp_path):
+    from trtllm_dflash.cli.build import main as build_main
+
+    target, drafter = tiny_pair
+    engine = tmp_path / "engine"
+    built = CliRunner().invoke(build_main, ["--target", str(target), "--drafter", str(drafter), "-o", str(engine),
+                                            "--max-draft-len", "2", "--quiet"])
+    assert built.exit_code == 0, built.output
+    result = invoke(engine, "--prompt", "abc", "--max-tokens", 8, "--json", "--baseline", "--verify")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["matches_baseline"] and len(record["acceptance_histogram"]) == 3  # max_draft_len 2 -> block 3
+    config = engine / "target" / "config.json"
+    config.write_text(config.read_text().replace('"hidden_size": 64', '"hidden_size": 65'))  # same size
+    result = invoke(engine, "--prompt", "abc", "--verify")
+    assert result.exit_code == 2 and "config.json" in result.output and "Traceback" not in result.output
+    assert invoke(engine, "--target", target, "--prompt", "x").exit_code == 2
+
+
+def test_no_arguments_without_embedded_pair_is_a_clear_error(monkeypatch, tmp_path):
+    import trtllm_dflash.embedded as embedded
+
+    monkeypatch.setattr(embedded, "TARGET_DIR", tmp_path / "missing")
+    result = invoke()
+    assert result.exit_code == 2 and "embedded default pair" in result.output

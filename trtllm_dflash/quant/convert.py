@@ -292,7 +292,7 @@ def _read_json(path: Path, what: str) -> dict:
     return data
 
 
-def _check_source(src: Path, config: dict) -> None:
+def check_source(src: Path, config: dict) -> None:
     if (src / "hf_quant_config.json").exists():
         raise InputError(
             "source is already ModelOpt-quantized; convert from a bf16 or MXFP4 checkpoint", path=src / "hf_quant_config.json"
@@ -391,7 +391,7 @@ def convert_checkpoint(
     if dst.exists() and not overwrite:
         raise InputError("output directory already exists (pass overwrite=True to replace it)", path=dst)
     config = _read_json(src / "config.json", "config.json")
-    _check_source(src, config)
+    check_source(src, config)
     reader = ShardedReader(src)
     params = source_params(reader)
     formats = {p.name: plan.format_for(p.name) for p in params}

@@ -1,0 +1,134 @@
+"""dflash-build on tiny random pairs: layout, lossless generation from the engine, tamper detection.
+
+(The embedded pair is not shipped yet; these use the random pairs of models/random_pair.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from trtllm_dflash.engine.build import BuildOptions, build_engine
+from trtllm_dflash.engine.load import reference_runtime
+from trtllm_dflash.engine.manifest import MANIFEST, open_engine
+from trtllm_dflash.errors import InputError
+from trtllm_dflash.runtime.reference import ReferenceRuntime
+from trtllm_dflash.runtime.sampling import SamplingParams
+
+PROMPTS = [[72, 101, 108, 108, 111], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200]]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair, tmp_path_factory):
+    target, drafter = tiny_pair
+    out = tmp_path_factory.mktemp("engines") / "engine"
+    return build_engine(BuildOptions(target, drafter, out), show_progress=False, log=lambda _: None).engine
+
+
+def test_layout(engine):
+    root = engine.root
+    for rel in ("manifest.json", "llm_api_options.yaml", "target/config.json", "target/tokenizer.json",
+                "drafter/config.json", "drafter/model.safetensors", "triton/dflash/config.pbtxt",
+                "triton/dflash/1/model.py", "triton/dflash/1/model.yaml"):
+        assert (root / rel).is_file(), rel
+    listed = set(engine.manifest["files"])
+    on_disk = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()} - {MANIFEST}
+    assert listed == on_disk
+    assert engine.manifest["complete"] is True and list(engine.manifest)[-1] == "complete"
+    assert engine.manifest["sources"]["target"]["files"]["model.safetensors"]["sha256"]
+    assert not any(p.name.startswith(".engine.") for p in root.parent.iterdir())  # partial/records cleaned up
+
+
+def test_drafter_is_in_trtllm_layout(engine):
+    config = json.loads((engine.drafter_dir / "config.json").read_text())
+    assert config["block_size"] == 4 and set(config["dflash_config"]) == {"mask_token_id", "target_layer_ids"}
+    with safe_open(engine.drafter_dir / "model.safetensors", framework="pt") as handle:
+        names = set(handle.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= names
+    assert all(not n.startswith("model.") and "embed" not in n and "lm_head" not in n for n in names)
+    assert any(n.startswith("layers.0.") for n in names)
+
+
+def test_options_point_into_the_engine(engine, tmp_path):
+    spec = engine.llm_api_options().speculative_config
+    assert spec.speculative_model == str(engine.root / "drafter") and spec.max_draft_len == 3
+    moved = tmp_path / "moved"
+    shutil.copytree(engine.root, moved)
+    relocated = open_engine(moved, verify_checksums=True)
+    assert relocated.llm_api_options().speculative_config.speculative_model == str(moved / "drafter")
+
+
+def test_engine_runs_losslessly(engine):
+    runtime = reference_runtime(engine, torch.device("cpu"), torch.float32)
+    params = SamplingParams(max_tokens=24)
+    dflash = runtime.generate(PROMPTS, params, batch_size=2)
+    baseline = ReferenceRuntime(runtime.target, None).generate(PROMPTS, params, batch_size=2)
+    assert [r.output_token_ids for r in dflash] == [r.output_token_ids for r in baseline]
+    assert all(r.stats.block_size == 4 for r in dflash)
+
+
+def test_quantized_engine_runs_losslessly(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    built = build_engine(BuildOptions(target, drafter, tmp_path / "fp8", quant="fp8", drafter_quant="fp8",
+                                      max_draft_len=2), show_progress=False, log=lambda _: None)
+    engine = built.engine
+    assert (engine.target_dir / "hf_quant_config.json").is_file()
+    runtime = reference_runtime(engine, torch.device("cpu"), torch.float32)
+    params = SamplingParams(max_tokens=16)
+    ours = runtime.generate(PROMPTS[:2], params)
+    base = ReferenceRuntime(runtime.target, None).generate(PROMPTS[:2], params)
+    assert [r.output_token_ids for r in ours] == [r.output_token_ids for r in base]
+    assert all(r.stats.block_size == 3 for r in ours)
+
+
+def test_every_file_is_guarded(engine, tmp_path):
+    """Appending a byte is caught by the size check; flipping one is caught by sha256 only."""
+    for rel in engine.manifest["files"]:
+        copy = tmp_path / rel.replace("/", "_")
+        shutil.copytree(engine.root, copy)
+        file = copy / rel
+        data = bytearray(file.read_bytes())
+        file.write_bytes(bytes(data) + b"\0")
+        with pytest.raises(InputError, match="size") as info:
+            open_engine(copy)
+        assert str(file) in str(info.value)
+        data[len(data) // 2] ^= 0xFF
+        file.write_bytes(bytes(data))
+        open_engine(copy)  # same size: the cheap check passes
+        with pytest.raises(InputError, match="sha256") as info:
+            open_engine(copy, verify_checksums=True)
+        assert str(file) in str(info.value)
+        shutil.rmtree(copy)
+
+
+def test_incomplete_or_missing_manifest_is_refused(engine, tmp_path):
+    copy = tmp_path / "e"
+    shutil.copytree(engine.root, copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    (copy / MANIFEST).write_text(json.dumps({**manifest, "complete": False}))
+    with pytest.raises(InputError, match="complete"):
+        open_engine(copy)
+    (copy / "drafter" / "config.json").unlink()
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match="missing") as info:
+        open_engine(copy)
+    assert "drafter/config.json" in str(info.value)
+    (copy / MANIFEST).unlink()
+    with pytest.raises(InputError, match="manifest.json"):
+        open_engine(copy)
+
+
+def test_existing_output_needs_force(tiny_pair, engine, tmp_path):
+    target, drafter = tiny_pair
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(InputError, match="--force"):
+        build_engine(BuildOptions(target, drafter, out), show_progress=False)
+    assert (out / "keep.txt").is_file()
+    result = build_engine(BuildOptions(target, drafter, out, force=True), show_progress=False, log=lambda _: None)
+    assert not (out / "keep.txt").exists() and result.engine.manifest["complete"]

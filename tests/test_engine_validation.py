@@ -1,0 +1,120 @@
+"""dflash-build refuses bad input before writing anything: exit 2, message naming file and field."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from trtllm_dflash.cli.build import main
+from trtllm_dflash.engine.profiles import profile_path
+from trtllm_dflash.models.random_pair import save_byte_tokenizer
+
+
+@pytest.fixture
+def out(tmp_path):
+    return tmp_path / "engine"
+
+
+def run(args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def refused(result, out, *needles):
+    assert result.exit_code == 2, result.output
+    for needle in needles:
+        assert str(needle) in result.output, (needle, result.output)
+    assert not out.exists() and not any(out.parent.glob(f".{out.name}.*")), "nothing may be written"
+
+
+def test_check_writes_nothing(tiny_pair, out):
+    target, drafter = tiny_pair
+    result = run(["--target", target, "--drafter", drafter, "-o", out, "--check"])
+    assert result.exit_code == 0 and "nothing written" in result.output
+    assert not out.exists()
+
+
+def test_embedded_pair_not_available(out):
+    refused(run(["-o", out]), out, "embedded", "--target")
+
+
+def test_draft_len_above_block(tiny_pair, out):
+    target, drafter = tiny_pair
+    refused(run(["--target", target, "--drafter", drafter, "-o", out, "--max-draft-len", 4]), out,
+            "--max-draft-len", drafter / "config.json", "block_size", "1..3")
+
+
+def test_seq_len_above_target(tiny_pair, out):
+    target, drafter = tiny_pair
+    refused(run(["--target", target, "--drafter", drafter, "-o", out, "--max-seq-len", 100000]), out,
+            "--max-seq-len", target / "config.json", "max_position_embeddings")
+
+
+def drafter_with_tokenizer(tiny_pair, tmp_path, **kwargs):
+    _, drafter = tiny_pair
+    copy = tmp_path / "drafter"
+    shutil.copytree(drafter, copy)
+    save_byte_tokenizer(copy, **kwargs)
+    return copy
+
+
+def test_drafter_tokenizer_must_match(tiny_pair, tmp_path, out):
+    target, _ = tiny_pair
+    same = drafter_with_tokenizer(tiny_pair, tmp_path)
+    assert run(["--target", target, "--drafter", same, "-o", out, "--check"]).exit_code == 0
+    shutil.rmtree(same)
+    other = drafter_with_tokenizer(tiny_pair, tmp_path, mask="<|other|>")
+    refused(run(["--target", target, "--drafter", other, "-o", out]), out, other / "tokenizer.json", "added_tokens")
+
+
+def test_quant_needs_blackwell_on_h200(tiny_pair, out):
+    target, drafter = tiny_pair
+    refused(run(["--target", target, "--drafter", drafter, "-o", out, "--profile", "h200-latency", "--quant", "nvfp4",
+                 "--max-seq-len", 2048]),
+            out, "--quant", "H200", "SM90", "Blackwell", "mxfp4", "keep")
+    refused(run(["--target", target, "--drafter", drafter, "-o", out, "--profile", "h200-latency",
+                 "--drafter-quant", "nvfp4", "--max-seq-len", 2048]), out, "--drafter-quant")
+
+
+def test_mxfp8_activation_override_needs_blackwell(tiny_pair, tmp_path, out):
+    target, drafter = tiny_pair
+    profile = tmp_path / "h200-mxfp8.yaml"
+    profile.write_text(profile_path("h200-latency").read_text().replace(
+        '    TRTLLM_ENABLE_PDL: "1"', '    TRTLLM_ENABLE_PDL: "1"\n    OVERRIDE_QUANT_ALGO: W4A8_MXFP4_MXFP8'))
+    refused(run(["--target", target, "--drafter", drafter, "-o", out, "--profile", profile, "--max-seq-len", 2048]), out,
+            profile, "OVERRIDE_QUANT_ALGO", "Blackwell")
+
+
+def test_profile_backend_must_fit_gpu(tiny_pair, tmp_path, out):
+    target, drafter = tiny_pair
+    profile = tmp_path / "h200-trtllm.yaml"
+    profile.write_text(profile_path("h200-latency").read_text().replace("backend: TRITON", "backend: TRTLLM"))
+    refused(run(["--target", target, "--drafter", drafter, "-o", out, "--profile", profile, "--max-seq-len", 2048]), out,
+            profile, "llm_api_options.moe_config.backend")
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--tp", 3], ["--tp", "num_attention_heads", "config.json"]),
+    (["--tp", 4], ["--tp", "num_key_value_heads"]),
+    (["--tp", 3, "--ep", 3], ["--ep", "num_local_experts"]),
+    (["--tp", 2, "--ep", 4], ["--ep", "divide TP"]),
+])
+def test_parallel_sizes_must_split_the_model(tiny_pair, out, args, needles):
+    target, drafter = tiny_pair
+    refused(run(["--target", target, "--drafter", drafter, "-o", out, *args]), out, *needles)
+
+
+def test_latency_profile_tp8_refused_for_tiny_model(tiny_pair, out):
+    target, drafter = tiny_pair
+    refused(run(["--target", target, "--drafter", drafter, "-o", out, "--profile", "b200-latency",
+                 "--max-seq-len", 2048]), out,
+            "--ep", "EP 8", "num_local_experts")
+
+
+def test_bad_choices_and_pair_errors(tiny_pair, tmp_path, out):
+    target, drafter = tiny_pair
+    refused(run(["--target", target, "--drafter", drafter, "-o", out, "--quant", "int3"]), out, "--quant", "keep")
+    refused(run(["--target", target, "--drafter", drafter, "-o", out, "--profile", "nope"]), out, "--profile")
+    refused(run(["--target", target, "-o", out]), out, "--drafter")
+    refused(run(["--target", drafter, "--drafter", drafter, "-o", out]), out, drafter / "config.json", "model_type")

@@ -1,0 +1,46 @@
+"""Running an engine directory: the reference runtime or TensorRT-LLM, behind one interface.
+
+Quantized checkpoints (any `--quant` recipe) are dequantized on load by the checkpoint loaders, so
+the reference runtime can run (and check) every engine TensorRT-LLM would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checkpoints.gpt_oss import load_hf_gpt_oss
+from ..models.drafter import load_drafter
+from ..models.target import GptOssTarget
+from ..runtime.interface import Runtime, choose_backend
+from ..runtime.proposers import DFlashProposer
+from ..runtime.reference import ReferenceRuntime
+from .manifest import Engine
+
+
+def engine_speculation(engine: Engine) -> tuple[int | None, dict[int, int] | None]:
+    """(verify block size, draft_len_schedule) the engine's options ask for."""
+    spec = engine.llm_api_options().speculative_config
+    if spec is None:
+        return None, None
+    return spec.max_draft_len + 1, spec.draft_len_schedule
+
+
+def reference_runtime(engine: Engine, device: torch.device, dtype: torch.dtype,
+                      with_drafter: bool = True) -> ReferenceRuntime:
+    """DFlash with the engine's max_draft_len and schedule (or the autoregressive baseline)."""
+    target = GptOssTarget(load_hf_gpt_oss(engine.target_dir, device, dtype))
+    if not with_drafter:
+        return ReferenceRuntime(target, None)
+    block, schedule = engine_speculation(engine)
+    drafter = load_drafter(engine.drafter_dir, device, dtype)
+    return ReferenceRuntime(target, DFlashProposer(drafter, target, block), draft_len_schedule=schedule)
+
+
+def engine_runtime(engine: Engine, backend: str, device: torch.device, dtype: torch.dtype) -> tuple[Runtime, str]:
+    """-> (runtime, why this backend): TensorRT-LLM where it is installed with a supported GPU."""
+    chosen, reason = choose_backend(backend)
+    if chosen == "trtllm":
+        from ..runtime.trtllm import TrtllmRuntime
+
+        return TrtllmRuntime(engine.root), reason
+    return reference_runtime(engine, device, dtype), reason

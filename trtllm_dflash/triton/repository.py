@@ -1,0 +1,66 @@
+"""Writing a Triton model repository for an engine, in Triton's LLM-API (PyTorch) layout.
+
+    <repo>/dflash/config.pbtxt   python backend, decoupled (streaming), tensors from service.py
+    <repo>/dflash/1/model.py     serves the engine through trtllm_dflash's Runtime interface
+    <repo>/dflash/1/model.yaml   the engine's LLM-API options + `model` + `triton_config`, as
+                                 Triton's llmapi `model.py` reads them
+
+The engine is found through the `engine_dir` parameter, resolved against the model directory:
+`../..` inside an engine (`<engine>/triton/dflash` -> `<engine>`, so the engine stays relocatable),
+an absolute path for a repository written elsewhere (`dflash-build --triton-repo`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import yaml
+
+from ..engine.options import LlmApiOptions
+from .service import INPUTS, OUTPUTS, TensorSpec
+
+MODEL_NAME = "dflash"
+MODEL_SOURCE = Path(__file__).with_name("model.py")
+
+
+def tensor_block(spec: TensorSpec, optional: bool) -> str:
+    dims = ", ".join(str(d) for d in spec.dims)
+    extra = "\n    optional: true" if optional and spec.optional else ""
+    return f'  {{\n    name: "{spec.name}"\n    data_type: {spec.data_type}\n    dims: [ {dims} ]{extra}\n  }}'
+
+
+def render_config(engine_ref: str, backend: str = "auto") -> str:
+    """config.pbtxt: max_batch_size 0 (the runtime batches), decoupled so a request can stream."""
+    inputs = ",\n".join(tensor_block(t, optional=True) for t in INPUTS)
+    outputs = ",\n".join(tensor_block(t, optional=False) for t in OUTPUTS)
+    parameters = {"engine_dir": engine_ref, "backend": backend, "verify_checksums": "false"}
+    params = "\n".join(f'parameters {{\n  key: "{k}"\n  value: {{ string_value: "{v}" }}\n}}'
+                       for k, v in parameters.items())
+    return (f'name: "{MODEL_NAME}"\nbackend: "python"\nmax_batch_size: 0\n'
+            f"model_transaction_policy {{\n  decoupled: true\n}}\n"
+            f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n"
+            f"instance_group [\n  {{\n    count: 1\n    kind: KIND_MODEL\n  }}\n]\n{params}\n")
+
+
+def render_model_yaml(options: LlmApiOptions, engine_root: Path | None) -> str:
+    """Paths are relative to the engine directory (engine_root None) or absolute under engine_root."""
+    def ref(name: str) -> str:
+        return name if engine_root is None else str(engine_root / name)
+
+    data = options.to_dict()
+    if "speculative_config" in data:
+        data["speculative_config"]["speculative_model"] = ref(data["speculative_config"]["speculative_model"])
+    document = {"model": ref("target"), **data, "triton_config": {"max_batch_size": 0, "decoupled": True}}
+    note = "# Paths are relative to the engine directory.\n" if engine_root is None else ""
+    return note + yaml.safe_dump(document, sort_keys=False)
+
+
+def write_model_repository(repo: Path, engine_ref: str, options: LlmApiOptions, engine_root: Path | None,
+                           backend: str = "auto") -> Path:
+    version = repo / MODEL_NAME / "1"
+    version.mkdir(parents=True)
+    (repo / MODEL_NAME / "config.pbtxt").write_text(render_config(engine_ref, backend))
+    shutil.copyfile(MODEL_SOURCE, version / "model.py")
+    (version / "model.yaml").write_text(render_model_yaml(options, engine_root))
+    return repo
