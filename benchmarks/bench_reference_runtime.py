@@ -1,18 +1,19 @@
-"""Reference runtime: DFlash vs autoregressive decoding on the same prompts, in one process.
+"""Reference runtime: DFlash vs n-gram (prompt lookup) vs autoregressive, same prompts, one process.
 
-    python benchmarks/bench_reference_runtime.py [--target DIR --drafter DIR] [--batch-size N] ...
+    python benchmarks/bench_reference_runtime.py [--target DIR --drafter DIR] [--prompts-file FILE]
+                                                 [--batch-size N] [--max-tokens N] [--repeats N]
 
-Without a pair it builds a random one at the embedded default's scale (gpt-oss architecture,
-hidden 256, 4 layers, 8 experts; 1-layer drafter, block 8). Random weights accept almost nothing,
-so that number is the loop's overhead (draft cost + wider verify), not a DFlash speed-up.
-Both runs are interleaved per repeat and the ratio is taken per repeat, so machine noise cancels.
+Pair: --target/--drafter, else the embedded default pair with its held-out prompts, else (with
+--random) a random pair at the embedded scale, where acceptance is meaningless and the numbers
+show the loop's overhead only. The three runs are interleaved per repeat and speed-ups are the
+median of per-repeat ratios, so machine noise largely cancels. Greedy outputs are also checked
+for losslessness against the autoregressive run.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
@@ -22,7 +23,8 @@ from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
 from trtllm_dflash.models.drafter import load_drafter
 from trtllm_dflash.models.random_pair import drafter_config_for, save_random_drafter, save_random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
-from trtllm_dflash.runtime.proposers import DFlashProposer
+from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
+from trtllm_dflash.runtime.proposers import DFlashProposer, NGramProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.runtime.stats import total_stats
@@ -41,9 +43,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path)
     parser.add_argument("--drafter", type=Path)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--random", action="store_true", help="use a random pair (overhead only)")
+    parser.add_argument("--prompts-file", type=Path)
+    parser.add_argument("--prompts", type=int, default=8, help="how many prompts to use")
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -52,33 +55,56 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
-        target_dir, drafter_dir = (args.target, args.drafter) if args.target else random_pair(Path(tmp))
+        if args.target:
+            target_dir, drafter_dir, label = args.target, args.drafter, str(args.target)
+        elif args.random:
+            (target_dir, drafter_dir), label = random_pair(Path(tmp)), "random (overhead only)"
+        else:
+            from trtllm_dflash.embedded import PROMPTS_FILE, pair_paths
+
+            (target_dir, drafter_dir), label = pair_paths(), "embedded"
+            args.prompts_file = args.prompts_file or PROMPTS_FILE
         dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
         target = GptOssTarget(load_hf_gpt_oss(target_dir, args.device, dtype))
         drafter = load_drafter(drafter_dir, args.device, dtype)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, target.vocab_size - 2, (args.prompt_len,), generator=gen).tolist()
-               for _ in range(args.prompts)]
-    params = SamplingParams(max_tokens=args.max_tokens)
-    runtimes = {"dflash": ReferenceRuntime(target, DFlashProposer(drafter, target)), "ar": ReferenceRuntime(target, None)}
+        if args.prompts_file:
+            tokenizer = load_tokenizer(target_dir)
+            texts = read_prompts_file(args.prompts_file)[: args.prompts]
+            prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in texts]
+        else:
+            gen = torch.Generator().manual_seed(0)
+            prompts = [torch.randint(0, target.vocab_size - 2, (64,), generator=gen).tolist()
+                       for _ in range(args.prompts)]
+    params = SamplingParams(max_tokens=args.max_tokens)  # no stop ids: every run decodes the same length
+    block = drafter.config.block_size
+    runtimes = {"autoregressive": ReferenceRuntime(target, None),
+                "dflash": ReferenceRuntime(target, DFlashProposer(drafter, target)),
+                "ngram": ReferenceRuntime(target, NGramProposer(num_drafts=block - 1))}
     for runtime in runtimes.values():
         runtime.warm_up(prompts[0])
     rates: dict[str, list[float]] = {name: [] for name in runtimes}
+    summary: dict[str, tuple[float, float]] = {}
+    outputs: dict[str, list[list[int]]] = {}
     for _ in range(args.repeats):
         for name, runtime in runtimes.items():
+            runtime.step_times = {"draft": 0.0, "verify": 0.0}
             results = runtime.generate(prompts, params, args.batch_size)
             total = total_stats(results, args.batch_size)
             rates[name].append(total.decode_tokens_per_s)
-            if name == "dflash":
-                tau, share = total.acceptance_length, runtime.step_times["draft"] / sum(runtime.step_times.values())
-    ratios = [d / a for d, a in zip(rates["dflash"], rates["ar"])]
-    print(f"device={args.device} threads={args.threads} prompts={args.prompts} batch={args.batch_size} "
-          f"max_tokens={args.max_tokens} pair={'given' if args.target else 'random'}")
-    print(f"autoregressive decode tokens/s: {statistics.median(rates['ar']):.1f}")
-    print(f"dflash decode tokens/s:         {statistics.median(rates['dflash']):.1f}  (tau {tau:.2f}, "
-          f"draft share of step time {share:.0%})")
-    print(f"speed-up (median of per-repeat ratios): {statistics.median(ratios):.2f}x")
+            times = runtime.step_times
+            summary[name] = (total.acceptance_length, times["draft"] / max(sum(times.values()), 1e-9))
+            outputs[name] = [r.output_token_ids for r in results]
+
+    print(f"pair={label} device={args.device} threads={args.threads} prompts={len(prompts)} "
+          f"batch={args.batch_size} max_tokens={args.max_tokens} block={block} repeats={args.repeats}")
+    print(f"{'method':<16}{'decode tok/s':>14}{'tau':>8}{'draft share':>13}{'speed-up':>10}{'lossless':>10}")
+    for name in runtimes:
+        ratios = [r / a for r, a in zip(rates[name], rates["autoregressive"])]
+        lossless = sum(o == a for o, a in zip(outputs[name], outputs["autoregressive"]))
+        tau, share = summary[name]
+        print(f"{name:<16}{statistics.median(rates[name]):>14.1f}{tau:>8.2f}{share:>13.0%}"
+              f"{statistics.median(ratios):>9.2f}x{lossless:>6}/{len(prompts)}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
