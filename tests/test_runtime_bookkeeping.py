@@ -101,3 +101,13 @@ def test_acceptance_length_follows_correct_prefix(setup, correct_prefix):
         expected_positions = [1.0 if k < correct_prefix else 0.0 for k in range(BLOCK - 1)]
         assert stats.per_position_acceptance == expected_positions
     assert proposer.checks == sum(r.stats.steps for r in results)
+
+
+def test_totals_count_one_prefill_token_per_request():
+    from trtllm_dflash.runtime.stats import GenerationResult, RequestStats, total_stats
+
+    results = [GenerationResult([1], list(range(10)), "length", RequestStats(4, num_output_tokens=10, decode_time=1.0))
+               for _ in range(4)]
+    total = total_stats(results, batch_size=2)
+    assert total.num_decode_tokens == 4 * 9 and total.requests == 4
+    assert total.decode_tokens_per_s == 36 / 2.0  # two batches of one second each

@@ -17,6 +17,7 @@ class RequestStats:
     accepted_per_step: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
     prefill_time: float = 0.0
+    requests: int = 1  # > 1 for totals: each request's first token comes from prefill
     decode_time: float = 0.0
 
     def __post_init__(self):
@@ -45,8 +46,8 @@ class RequestStats:
 
     @property
     def num_decode_tokens(self) -> int:
-        """Tokens committed by decode steps (the first output token comes from prefill)."""
-        return max(self.num_output_tokens - 1, 0)
+        """Tokens committed by decode steps (each request's first output token comes from prefill)."""
+        return max(self.num_output_tokens - self.requests, 0)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -57,6 +58,7 @@ class RequestStats:
         for a, n in enumerate(other.accepted_histogram):
             self.accepted_histogram[a] += n
         self.num_output_tokens += other.num_output_tokens
+        self.requests += other.requests
 
     def to_dict(self) -> dict:
         return {
@@ -86,7 +88,7 @@ def total_stats(results: list[GenerationResult], batch_size: int) -> RequestStat
     add up: decode tokens/s of the total is then the run's real throughput.
     """
     # The first result's stats class, so backends that report totals only (TensorRT-LLM) add up too.
-    total = type(results[0].stats)(max(r.stats.block_size for r in results))
+    total = type(results[0].stats)(max(r.stats.block_size for r in results), requests=0)
     for first in range(0, len(results), batch_size):
         batch = [r.stats for r in results[first: first + batch_size]]
         for stats in batch:

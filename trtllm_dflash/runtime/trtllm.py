@@ -349,6 +349,7 @@ class TotalsRequestStats(RequestStats):
             self.total_steps += other.steps
             self.total_accepted_drafts += sum(a * n for a, n in enumerate(other.accepted_histogram))
         self.num_output_tokens += other.num_output_tokens
+        self.requests += other.requests
 
     def to_dict(self) -> dict:
         record = super().to_dict()
