@@ -44,9 +44,11 @@ def embedded_pair() -> tuple[Path, Path]:
 @click.option("--check", is_flag=True, help="Validate only; write nothing.")
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--schedule-from", type=click.Path(path_type=Path),
+              help="A dflash-bench bench.json: write its load-aware draft_len_schedule into the options.")
 @clean_errors
 def main(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_cache_dtype, max_draft_len,
-         max_seq_len, tp, ep, triton_repo, check, force, quiet):
+         max_seq_len, tp, ep, triton_repo, check, force, quiet, schedule_from):
     """Build an engine directory: checkpoints, llm_api_options.yaml, a Triton repository and a
     manifest with the sha256 of every file. Interrupted builds resume where they stopped."""
     from trtllm_dflash.engine.build import BuildOptions, build_engine, plan_build
@@ -56,8 +58,19 @@ def main(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_
                          field="--drafter" if drafter_dir is None else "--target")
     if target_dir is None:
         target_dir, drafter_dir = embedded_pair()
+    schedule = None
+    if schedule_from is not None:
+        from trtllm_dflash.bench.schedule import schedule_from_bench
+
+        schedule = schedule_from_bench(schedule_from)
+        if not schedule:
+            click.echo(f"note: {schedule_from} found no load where speculation paid off; building with a fixed "
+                       "draft length anyway.", err=True)
+        if max_draft_len is not None and schedule:
+            raise InputError("--max-draft-len and --schedule-from both set the draft length; give one.",
+                             field="--max-draft-len")
     options = BuildOptions(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_cache_dtype,
-                           max_draft_len, max_seq_len, tp, ep, triton_repo, force)
+                           max_draft_len, max_seq_len, tp, ep, triton_repo, force, schedule)
     if check:
         plan = plan_build(options)
         spec = plan.llm_options.speculative_config

@@ -212,3 +212,23 @@ def test_no_arguments_without_embedded_pair_is_a_clear_error(monkeypatch, tmp_pa
     monkeypatch.setattr(embedded, "TARGET_DIR", tmp_path / "missing")
     result = invoke()
     assert result.exit_code == 2 and "embedded default pair" in result.output
+
+
+def test_schedule_from_bench_reaches_the_engine_and_the_run(tiny_pair, tmp_path):
+    import yaml
+
+    from trtllm_dflash.cli.build import main as build_main
+
+    target, drafter = tiny_pair
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"schedule": {"max_draft_len": 3, "draft_len_schedule": {"1": 3, "2": 1}}}))
+    engine = tmp_path / "engine"
+    built = CliRunner().invoke(build_main, ["--target", str(target), "--drafter", str(drafter), "-o", str(engine),
+                                            "--schedule-from", str(bench), "--quiet"])
+    assert built.exit_code == 0, built.output
+    spec = yaml.safe_load((engine / "llm_api_options.yaml").read_text())["speculative_config"]
+    assert spec["draft_len_schedule"] == {1: 3, 2: 1} and spec["max_draft_len"] == 3
+    result = invoke(engine, "--prompt", "abc", "--prompt", "xyz", "--prompt", "q", "--batch-size", 3,
+                    "--max-tokens", 10, "--json", "--baseline")
+    assert result.exit_code == 0, result.output
+    assert all(json.loads(line)["matches_baseline"] for line in result.stdout.splitlines())

@@ -59,6 +59,7 @@ class BuildOptions:
     ep: int | None = None
     triton_repo: Path | None = None
     force: bool = False
+    draft_len_schedule: dict[int, int] | None = None  # from `dflash-bench` (`--schedule-from`)
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,10 @@ def render_options(profile: Profile, pair: Pair, options: BuildOptions, profile_
     spec = profile.speculative.model_dump(exclude_none=True)
     if options.max_draft_len is not None:
         spec["max_draft_len"] = options.max_draft_len
+    if options.draft_len_schedule:
+        # TensorRT-LLM requires the smallest key to map to max_draft_len.
+        spec["draft_len_schedule"] = dict(options.draft_len_schedule)
+        spec["max_draft_len"] = options.draft_len_schedule[min(options.draft_len_schedule)]
     spec.update(max_draft_len=spec.get("max_draft_len", drafter.block_size - 1),
                 speculative_model=DRAFTER, mask_token_id=drafter.mask_token_id,
                 target_layer_ids=list(drafter.target_layer_ids))
