@@ -44,11 +44,14 @@ def embedded_pair() -> tuple[Path, Path]:
 @click.option("--check", is_flag=True, help="Validate only; write nothing.")
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--trt-drafter", is_flag=True,
+              help="Also write drafter_trt/drafter.onnx (draft-block plugin nodes) and, where TensorRT and a GPU "
+                   "are present, its TensorRT engine.")
 @click.option("--schedule-from", type=click.Path(path_type=Path),
               help="A dflash-bench bench.json: write its load-aware draft_len_schedule into the options.")
 @clean_errors
 def main(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_cache_dtype, max_draft_len,
-         max_seq_len, tp, ep, triton_repo, check, force, quiet, schedule_from):
+         max_seq_len, tp, ep, triton_repo, check, force, quiet, trt_drafter, schedule_from):
     """Build an engine directory: checkpoints, llm_api_options.yaml, a Triton repository and a
     manifest with the sha256 of every file. Interrupted builds resume where they stopped."""
     from trtllm_dflash.engine.build import BuildOptions, build_engine, plan_build
@@ -70,7 +73,7 @@ def main(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_
             raise InputError("--max-draft-len and --schedule-from both set the draft length; give one.",
                              field="--max-draft-len")
     options = BuildOptions(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_cache_dtype,
-                           max_draft_len, max_seq_len, tp, ep, triton_repo, force, schedule)
+                           max_draft_len, max_seq_len, tp, ep, triton_repo, force, schedule, trt_drafter)
     if check:
         plan = plan_build(options)
         spec = plan.llm_options.speculative_config

@@ -60,6 +60,7 @@ class BuildOptions:
     triton_repo: Path | None = None
     force: bool = False
     draft_len_schedule: dict[int, int] | None = None  # from `dflash-bench` (`--schedule-from`)
+    trt_drafter: bool = False  # also write drafter_trt/ (ONNX with plugin nodes; engine where possible)
 
 
 @dataclass(frozen=True)
@@ -336,6 +337,15 @@ def build_engine(options: BuildOptions, show_progress: bool = True, log: Callabl
                    else convert(plan.pair.target_dir, dst, options.quant, kv, show_progress))
         runner.run(DRAFTER, [version, options.drafter_quant, kv, sources[DRAFTER]], DRAFTER,
                    lambda dst: build_drafter(plan.pair, dst, options.drafter_quant, kv, show_progress))
+        if options.trt_drafter:
+            from .trt_drafter import write_trt_drafter
+
+            def produce(dst: Path) -> None:
+                skipped = write_trt_drafter(work / DRAFTER, work / TARGET, dst.parent)
+                if skipped:
+                    log(f"drafter_trt: wrote the ONNX graph only ({skipped})")
+
+            runner.run("drafter_trt", [version, sources[DRAFTER], options.drafter_quant], "drafter_trt", produce)
         source_records = source_checksums(plan, runner)
         pause_if_asked("options")
         write_atomic(work / OPTIONS_FILE, plan.llm_options.to_yaml())

@@ -198,20 +198,29 @@ class DFlashDrafter(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.use_plugin = False  # True: block attention through the draft-block plugin's custom op
 
-    def block_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVArena,
-                        context_lens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Block queries [b, Hq, B, D] over the request's context K/V and the block's own -> [b, B, Hq*D]."""
+    def plugin_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: torch.Tensor,
+                         ctx_v: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """The draft-block plugin's fused op on q [b, Hq, B, D], k/v [b, Hkv, B, D] -> [b, B, Hq*D]."""
+        from trtllm_dflash.plugins.draft_block import draft_block_attention
+
         b, hq, width, d = q.shape
+
+        def packed(x):
+            return x.transpose(1, 2).reshape(b * width, x.shape[1], d)
+
+        out = draft_block_attention(packed(q), packed(k), packed(v), ctx_k, ctx_v, context_lens, self.scale)
+        return out.view(b, width, hq * d)
+
+    def block_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVArena,
+                        context_lens: torch.Tensor) -> torch.Tensor:
+        """Block queries [b, Hq, B, D] over the request's context K/V and the block's own -> [b, B, Hq*D]."""
         if self.use_plugin:
-            from trtllm_dflash.plugins.draft_block import draft_block_attention
-
-            def packed(x):
-                return x.transpose(1, 2).reshape(b * width, x.shape[1], d)
-
-            out = draft_block_attention(packed(q), packed(k), packed(v), cache.k[layer], cache.v[layer],
-                                        context_lens, self.scale)
-            return out.view(b, width, hq * d)
-        ctx_k, ctx_v = cache.read(layer, mask.shape[-1] - width)
+            return self.plugin_attention(q, k, v, cache.k[layer], cache.v[layer], context_lens)
+        b, width = q.shape[0], q.shape[2]
+        ctx_len = int(context_lens.max()) if b else 0
+        visible = torch.arange(ctx_len, device=q.device) < context_lens[:, None]
+        mask = torch.cat([visible, visible.new_ones(b, width)], dim=1)[:, None].expand(b, width, -1)
+        ctx_k, ctx_v = cache.read(layer, ctx_len)
         return sink_attention(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask, None, self.scale)
 
     @property
@@ -249,13 +258,8 @@ class DFlashDrafter(nn.Module):
         """Draft one block per request: embeds [b, B, H] at positions [b, B]; request i sees its
         context positions [0, context_lens[i]). Returns the final-normed hidden states [b, B, H]."""
         x = block_embeds.to(self.dtype)
-        b, width, _ = x.shape
         cos, sin = self.rotary(block_positions, x.dtype)
-        ctx_len = int(context_lens.max()) if b else 0
-        visible = torch.arange(ctx_len, device=x.device) < context_lens[:, None]
-        mask = torch.cat([visible, visible.new_ones(b, width)], dim=1)[:, None].expand(b, width, -1)
-        return self.run_layers(x, cos, sin, lambda i, q, k, v: self.block_attention(i, q, k, v, cache,
-                                                                                     context_lens, mask))
+        return self.run_layers(x, cos, sin, lambda i, q, k, v: self.block_attention(i, q, k, v, cache, context_lens))
 
     def forward_train(self, features: torch.Tensor, context_positions: torch.Tensor, block_embeds: torch.Tensor,
                       block_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -320,3 +324,27 @@ def save_drafter(model: DFlashDrafter, directory: str | Path) -> Path:
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     return directory
+
+
+class DrafterStep(nn.Module):
+    """One drafter step as a graph for ONNX / TensorRT: block embeddings [b, B, H], context lengths
+    [b] (the anchor sits at position ctx_lens[i]) and each layer's context arena (k, v) [b, Hkv, S, D]
+    in; logits of slots 1..B-1 [b, B-1, V] out. Block attention is the draft-block plugin's op, so
+    the exported graph carries one plugin node per layer."""
+
+    def __init__(self, drafter: DFlashDrafter, lm_head_weight: torch.Tensor):
+        super().__init__()
+        self.drafter = drafter
+        self.lm_head = nn.Linear(lm_head_weight.shape[1], lm_head_weight.shape[0], bias=False)
+        self.lm_head.weight = nn.Parameter(lm_head_weight.detach().clone(), requires_grad=False)
+
+    def forward(self, block_embeds: torch.Tensor, ctx_lens: torch.Tensor, *ctx_kv: torch.Tensor) -> torch.Tensor:
+        width = block_embeds.shape[1]
+        positions = ctx_lens[:, None].long() + torch.arange(width, device=block_embeds.device)
+        cos, sin = self.drafter.rotary(positions, block_embeds.dtype)
+
+        def attend(i, q, k, v):
+            return self.drafter.plugin_attention(q, k, v, ctx_kv[2 * i], ctx_kv[2 * i + 1], ctx_lens)
+
+        hidden = self.drafter.run_layers(block_embeds, cos, sin, attend)
+        return self.lm_head(hidden[:, 1:])
