@@ -323,6 +323,7 @@ def save_drafter(model: DFlashDrafter, directory: str | Path) -> Path:
     (directory / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "model.safetensors").chmod(0o644)  # save_file creates 0600
     return directory
 
 

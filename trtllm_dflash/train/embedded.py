@@ -36,6 +36,7 @@ def copy_drafter_bf16(drafter: Path, dest: Path) -> None:
     shutil.copy(drafter / "config.json", dest / "config.json")
     state = {k: v.to(torch.bfloat16) for k, v in load_file(drafter / "model.safetensors").items()}
     save_file(state, dest / "model.safetensors", metadata={"format": "pt"})
+    (dest / "model.safetensors").chmod(0o644)  # save_file creates 0600; package data must be world-readable
 
 
 def write_prompts(dest: Path, count: int = NUM_PROMPTS) -> None:
