@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import AutoTokenizer, GptOssConfig, GptOssForCausalLM
 
+from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
 from trtllm_dflash.quant.codecs import mxfp4_decode, mxfp4_encode
 from trtllm_dflash.train import corpus
 
@@ -411,15 +412,6 @@ def export(model: GptOssForCausalLM, tokenizer_dir: Path, dest: Path) -> Path:
     return dest
 
 
-def load_exported(directory: Path) -> GptOssForCausalLM:
-    """Load an exported target the way the runtime does on CPU (MXFP4 experts dequantized to bf16)."""
-    from transformers import Mxfp4Config
-
-    cfg = json.loads((Path(directory) / "config.json").read_text())
-    kwargs = {"quantization_config": Mxfp4Config(dequantize=True)} if "quantization_config" in cfg else {}
-    return GptOssForCausalLM.from_pretrained(str(directory), attn_implementation="eager", **kwargs).eval()
-
-
 # ---------------------------------------------------------------------------------------------
 # evaluate
 
@@ -509,7 +501,7 @@ def export_main(argv: list[str] | None = None) -> None:
     export(model, run / "tokenizer", args.dest)
     held = np.memmap(run / "heldout.bin", dtype=np.uint16, mode="r")
     before = heldout_loss(model, held)
-    after = heldout_loss(load_exported(args.dest), held)
+    after = heldout_loss(load_hf_gpt_oss(args.dest), held)
     print(json.dumps({"step": ckpt["step"], "heldout_loss_fp32": before, "heldout_loss_exported_mxfp4": after,
                       "dest": str(args.dest)}))
 
@@ -524,7 +516,7 @@ def evaluate_main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    result = evaluate(load_exported(args.model), AutoTokenizer.from_pretrained(str(args.model)),
+    result = evaluate(load_hf_gpt_oss(args.model), AutoTokenizer.from_pretrained(str(args.model)),
                       n_prompts=args.prompts, new_tokens=args.new_tokens)
     print(json.dumps(result, indent=1))
 
