@@ -37,6 +37,9 @@ from ..models.drafter import DFlashConfig, DFlashDrafter, default_target_layer_i
 from ..models.target import GptOssTarget
 
 
+LOG_EVERY = 50  # steps between plain log lines when the output is not a terminal
+
+
 @dataclass
 class TrainConfig:
     drafter_layers: int = 1
@@ -261,6 +264,8 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
                 step += 1
                 history.append(total)
                 progress.update(task, completed=step, info=f"loss {total:.3f}")
+                if not progress.console.is_terminal and step % LOG_EVERY == 0:  # a log file gets plain lines
+                    progress.console.log(f"step {step}/{cfg.steps} loss {total:.3f} lr {optimizer.param_groups[0]['lr']:.2e}")
                 if time.time() - last_save > cfg.save_every_s:
                     save()
                     last_save = time.time()
