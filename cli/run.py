@@ -193,6 +193,7 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     from trtllm_dflash.runtime.sampling import SamplingParams
     from trtllm_dflash.runtime.stats import GenerationInterrupted
 
+    given_target = target_dir
     target_dir, drafter_dir, engine = resolve_pair(engine_dir, target_dir, drafter_dir, verify)
     pair = validate_pair(target_dir, drafter_dir, block_size)
     schedule = None
@@ -203,9 +204,11 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
         block_size = block_size or engine_block
     prompts: list[str | list[int]] = list(prompt_texts) + (read_prompts_file(prompts_file) if prompts_file else [])
     if not prompts:
+        if engine_dir or given_target:
+            raise InputError("no prompts given; use --prompt TEXT or --prompts-file FILE.", field="--prompt")
         from trtllm_dflash.embedded import heldout_prompts
 
-        prompts = heldout_prompts()
+        prompts = heldout_prompts()  # the embedded default runs on prompts it never trained on
     needs_text = chat or any(isinstance(p, str) for p in prompts)
     tokenizer = load_tokenizer(target_dir) if needs_text or (target_dir / "tokenizer.json").is_file() else None
     prompt_ids = encode_prompts(prompts, tokenizer, chat, target_dir)

@@ -35,7 +35,10 @@ def test_check_writes_nothing(tiny_pair, out):
     assert not out.exists()
 
 
-def test_embedded_pair_not_available(out):
+def test_embedded_pair_not_available(out, monkeypatch, tmp_path):
+    import trtllm_dflash.embedded as embedded
+
+    monkeypatch.setattr(embedded, "TARGET_DIR", tmp_path / "not-shipped")
     refused(run(["-o", out]), out, "embedded", "--target")
 
 
