@@ -25,31 +25,10 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
+from draft_block_cases import check_against_float64, problem  # noqa: E402
+
 from trtllm_dflash.plugins.draft_block import triton_kernels as kernels  # noqa: E402
-from trtllm_dflash.plugins.draft_block.reference import (  # noqa: E402
-    draft_block_attention_reference,
-    greedy_accept_reference,
-)
-
-
-def problem(batch, block, q_heads, kv_heads, dim, s_cap, lens, seed):
-    """float32 inputs; arena tails filled with NaN/inf garbage the kernel must never read."""
-    g = torch.Generator().manual_seed(seed)
-    rows = batch * block
-    q = torch.randn(rows, q_heads, dim, generator=g)
-    k_blk, v_blk = torch.randn(2, rows, kv_heads, dim, generator=g)
-    ctx_k, ctx_v = torch.randn(2, batch, kv_heads, s_cap, dim, generator=g)
-    for i, n in enumerate(lens):
-        ctx_k[i, :, n:] = float("nan")
-        ctx_v[i, :, n:] = float("inf")
-    return q, k_blk, v_blk, ctx_k, ctx_v, torch.tensor(lens, dtype=torch.int32)
-
-
-def check_against_float64(args, scale, window, split_size, tol=2e-5):
-    got = kernels.draft_block_attention_triton(*args, scale, window, split_size=split_size)
-    expected = draft_block_attention_reference(*args, scale, window, compute_dtype=torch.float64)
-    assert got.dtype == args[0].dtype and torch.isfinite(got).all()
-    torch.testing.assert_close(got.double(), expected.double(), rtol=tol, atol=tol)
+from trtllm_dflash.plugins.draft_block.reference import greedy_accept_reference  # noqa: E402
 
 
 @pytest.mark.parametrize("window", [None, 1, 7, 150])
@@ -83,6 +62,7 @@ def test_fp16_inputs():
 
 @pytest.mark.parametrize("batch,kv_heads,span,sms,expected", [
     (1, 8, 32768, 132, 1024),  # small batch: ~2 waves of programs
+    (8, 8, 32768, 132, 6592),  # 5 splits: 320 programs, ~2.4 per SM
     (64, 8, 32768, 132, 32768),  # the batch alone fills the GPU: one split (fused kernel)
     (1, 8, 600, 132, 640),  # never below MIN_SPLIT positions
     (1, 8, 0, 132, 64),  # empty span still yields one valid split

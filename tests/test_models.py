@@ -90,6 +90,13 @@ def test_target_features_are_layer_outputs():
     torch.testing.assert_close(features, torch.cat([hidden[3], hidden[1]], dim=-1), rtol=1e-5, atol=1e-5)
 
 
+def test_target_adapter_lives_on_the_models_device():
+    """Everything the adapter adds (RoPE tables) follows the model's device: on the meta device
+    here, so a CPU-only run catches what would be a CPU/CUDA mismatch on a GPU."""
+    target = GptOssTarget(random_target(tiny_target_config(), 0).to("meta"))
+    assert {t.device.type for t in (*target.parameters(), *target.buffers())} == {"meta"}
+
+
 def test_default_target_layer_ids_match_published_drafters():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(24, 5) == [1, 6, 11, 16, 21]
@@ -125,15 +132,17 @@ def test_published_gpt_oss_120b_config_parses():
         DFlashConfig.from_dict({k: v for k, v in raw.items() if k != "dflash_config"})
 
 
-def test_plugin_switch_matches_plain_path(drafter):
+@pytest.mark.parametrize("context_lens", [[12, 0, 7], [9]])
+def test_plugin_switch_matches_plain_path(drafter, context_lens):
     """The drafter's block attention through the draft-block custom op equals the plain path,
-    with ragged contexts (including an empty one) in one batch."""
+    with ragged contexts (including an empty one) in one batch, and for a single request (whose
+    op output is a non-contiguous view on CPU)."""
     cfg = drafter.config
-    b, width, cap = 3, cfg.block_size, 24
+    b, width, cap = len(context_lens), cfg.block_size, 24
     cache = drafter.new_cache(b, cap)
     features = torch.randn(b, 12, len(cfg.target_layer_ids) * cfg.hidden_size)
     drafter.write_context(features, torch.arange(12).expand(b, -1), cache)
-    lens = torch.tensor([12, 0, 7])
+    lens = torch.tensor(context_lens)
     block = torch.randn(b, width, cfg.hidden_size)
     positions = lens[:, None] + torch.arange(width)
     plain = drafter(block, positions, cache, lens)

@@ -30,7 +30,6 @@ PLUGIN_ID = "dflash::DraftBlockAttention"
 TRITON_POINTER_TYPES = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}
 FUSED_SCALAR_ARGS = ("s_cap", "stride_qt", "stride_qh", "stride_bt", "stride_bh",
                      "stride_cb", "stride_ch", "stride_cs", "stride_ot", "stride_oh")
-NUM_WARPS = 4
 
 
 def import_tensorrt():
@@ -77,7 +76,7 @@ def compile_fused_kernel(meta, dtype_name: str, target=None):
     """
     import triton
 
-    from .triton_kernels import draft_block_attn_fused_kernel
+    from .triton_kernels import DEFAULT_LAUNCH, draft_block_attn_fused_kernel
 
     constexprs = meta.constexprs()
     source = triton.compiler.ASTSource(
@@ -85,7 +84,8 @@ def compile_fused_kernel(meta, dtype_name: str, target=None):
         signature=fused_kernel_signature(dtype_name, constexprs),
         constexprs=constexprs,
     )
-    return triton.compile(source, target=target, options={"num_warps": NUM_WARPS})
+    options = {"num_warps": DEFAULT_LAUNCH.num_warps, "num_stages": DEFAULT_LAUNCH.num_stages}
+    return triton.compile(source, target=target, options=options)
 
 
 @functools.cache

@@ -34,9 +34,23 @@ import triton.language as tl
 from .reference import check_block_shapes
 
 LOG2E = 1.4426950408889634
-BLOCK_N = 64  # context positions per tile
 MIN_SPLIT = 512  # smallest context split: below this the partials' traffic outweighs the occupancy gain
-WAVES = 2  # aim for this many programs per SM before splitting stops
+# Aim for this many programs per SM before splitting stops. The H200 split sweep (docs/benchmarks.md)
+# put the best split counts at 2-4 programs per SM; 8 per SM was up to 14% slower.
+WAVES = 2
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile and launch parameters of the block-attention kernels (tuned by benchmarks/bench_draft_block.py)."""
+
+    block_n: int = 64  # context positions per K/V tile
+    num_warps: int = 4
+    num_stages: int = 3  # best geometric mean of the H200 sweep (docs/benchmarks.md)
+
+
+DEFAULT_LAUNCH = LaunchConfig()
+BLOCK_N = DEFAULT_LAUNCH.block_n
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,7 @@ class BlockAttnMeta:
     window: int  # 0 = full context
     scale: float
     dot_precision: str
+    block_n: int = BLOCK_N
 
     @property
     def block_m(self) -> int:
@@ -62,7 +77,7 @@ class BlockAttnMeta:
         return dict(
             BLOCK=self.block, GROUP=self.group, D=self.head_dim, WINDOW=self.window,
             QK_SCALE=self.scale * LOG2E, DOT_PRECISION=self.dot_precision,
-            BLOCK_M=self.block_m, BLOCK_N=BLOCK_N, BLOCK_B=self.block_b,
+            BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_B=self.block_b,
         )
 
 
@@ -71,16 +86,16 @@ def context_span(s_cap: int, sliding_window: int | None) -> int:
     return s_cap if sliding_window is None else min(s_cap, sliding_window - 1)
 
 
-def plan_split_size(batch: int, kv_heads: int, span: int, sm_count: int) -> int:
+def plan_split_size(batch: int, kv_heads: int, span: int, sm_count: int, block_n: int = BLOCK_N) -> int:
     """Context positions per split: enough splits to give every SM ~WAVES programs, none < MIN_SPLIT.
 
     Returns ``span`` rounded up to a tile (one split: the fused kernel) when the batch alone fills
     the GPU.
     """
-    span_tiles = max(1, triton.cdiv(span, BLOCK_N))
+    span_tiles = max(1, triton.cdiv(span, block_n))
     wanted = triton.cdiv(WAVES * sm_count, batch * kv_heads)
     splits = max(1, min(wanted, span // MIN_SPLIT))
-    return triton.cdiv(span_tiles, splits) * BLOCK_N
+    return triton.cdiv(span_tiles, splits) * block_n
 
 
 @triton.jit
@@ -274,7 +289,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def block_attn_meta(q: torch.Tensor, ctx_k: torch.Tensor, block: int, scale: float,
-                    sliding_window: int | None) -> BlockAttnMeta:
+                    sliding_window: int | None, block_n: int = BLOCK_N) -> BlockAttnMeta:
     """Constexprs for the given shapes; fp32 inputs use exact (not TF32) dots."""
     head_dim = ctx_k.shape[3]
     if head_dim < 16 or head_dim & (head_dim - 1):
@@ -284,6 +299,7 @@ def block_attn_meta(q: torch.Tensor, ctx_k: torch.Tensor, block: int, scale: flo
     return BlockAttnMeta(
         block=block, group=q.shape[1] // ctx_k.shape[1], head_dim=head_dim, window=sliding_window or 0,
         scale=float(scale), dot_precision="ieee" if q.dtype in (torch.float32, torch.float64) else "tf32",
+        block_n=block_n,
     )
 
 
@@ -297,29 +313,31 @@ def draft_block_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     split_size: int | None = None,
+    launch: LaunchConfig = DEFAULT_LAUNCH,
 ) -> torch.Tensor:
     """Block attention with the Triton kernels; same contract as ``draft_block_attention_reference``.
 
-    ``split_size`` (context positions per split, a multiple of BLOCK_N) overrides the occupancy plan;
-    a split as large as the visible span selects the fused single-pass kernel.
+    ``split_size`` (context positions per split, a multiple of ``launch.block_n``) overrides the
+    occupancy plan; a split as large as the visible span selects the fused single-pass kernel.
     """
     batch, block = check_block_shapes(q, k_blk, v_blk, ctx_k, ctx_v, ctx_lens)
     q, k_blk, v_blk, ctx_k, ctx_v = map(_rows_contiguous, (q, k_blk, v_blk, ctx_k, ctx_v))
-    meta = block_attn_meta(q, ctx_k, block, scale, sliding_window)
+    meta = block_attn_meta(q, ctx_k, block, scale, sliding_window, launch.block_n)
     kv_heads, s_cap = ctx_k.shape[1], ctx_k.shape[2]
     span = context_span(s_cap, sliding_window)
     if split_size is None:
-        split_size = plan_split_size(batch, kv_heads, span, _sm_count(q.device))
-    if split_size % BLOCK_N:
-        raise ValueError(f"split_size must be a multiple of {BLOCK_N}, got {split_size}")
+        split_size = plan_split_size(batch, kv_heads, span, _sm_count(q.device), launch.block_n)
+    if split_size % launch.block_n:
+        raise ValueError(f"split_size must be a multiple of {launch.block_n}, got {split_size}")
     num_splits = max(1, triton.cdiv(span, split_size))
     out = torch.empty_like(q)
     inputs = (q, k_blk, v_blk, ctx_k, ctx_v, ctx_lens)
+    tuning = dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
     if num_splits == 1:
         draft_block_attn_fused_kernel[(batch, kv_heads)](
             *inputs, s_cap, q.stride(0), q.stride(1), k_blk.stride(0), k_blk.stride(1),
             ctx_k.stride(0), ctx_k.stride(1), ctx_k.stride(2), out.stride(0), out.stride(1),
-            out, **meta.constexprs(),
+            out, **meta.constexprs(), **tuning,
         )
         return out
     part_acc = torch.empty(batch, kv_heads, num_splits, meta.block_m, meta.head_dim, dtype=torch.float32, device=q.device)
@@ -327,7 +345,7 @@ def draft_block_attention_triton(
     draft_block_attn_split_kernel[(batch, kv_heads, num_splits)](
         *inputs, s_cap, split_size, q.stride(0), q.stride(1), k_blk.stride(0), k_blk.stride(1),
         ctx_k.stride(0), ctx_k.stride(1), ctx_k.stride(2),
-        part_acc, part_ml, **meta.constexprs(),
+        part_acc, part_ml, **meta.constexprs(), **tuning,
     )
     draft_block_attn_combine_kernel[(batch, kv_heads)](
         ctx_lens, part_acc, part_ml, s_cap, split_size, num_splits, out.stride(0), out.stride(1),

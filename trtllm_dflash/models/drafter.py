@@ -209,7 +209,7 @@ class DFlashDrafter(nn.Module):
             return x.transpose(1, 2).reshape(b * width, x.shape[1], d)
 
         out = draft_block_attention(packed(q), packed(k), packed(v), ctx_k, ctx_v, context_lens, self.scale)
-        return out.view(b, width, hq * d)
+        return out.reshape(b, width, hq * d)
 
     def block_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVArena,
                         context_lens: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,7 @@ class GptOssTarget(nn.Module):
         self.hf = hf_model.eval().requires_grad_(False)
         cfg = hf_model.config
         self.config = cfg
-        self.rotary = Rotary(cfg)
+        self.rotary = Rotary(cfg).to(hf_model.lm_head.weight.device)  # built after the model was placed
         self.windows = [cfg.sliding_window if kind == "sliding_attention" else None for kind in cfg.layer_types]
         self.head_dim = cfg.head_dim
         self.scale = self.head_dim ** -0.5
