@@ -31,3 +31,27 @@ def check_against_float64(args, scale, window, split_size, tol=2e-5, launch=None
     expected = draft_block_attention_reference(*cpu_args, scale, window, compute_dtype=torch.float64)
     assert got.dtype == args[0].dtype and got.device == args[0].device and torch.isfinite(got).all()
     torch.testing.assert_close(got.cpu().double(), expected.double(), rtol=tol, atol=tol)
+
+
+def drafter_plain_and_plugin(drafter, context_lens, context: int, seed: int = 0):
+    """One drafted block on the drafter's device, with the plain attention path and with the plugin op.
+
+    Every request's context holds ``context`` positions of random target features; request i sees
+    the first ``context_lens[i]`` of them. Returns (plain, plugin) final hidden states.
+    """
+    cfg = drafter.config
+    device = drafter.fc.weight.device
+    b, width = len(context_lens), cfg.block_size
+    g = torch.Generator().manual_seed(seed)
+    cache = drafter.new_cache(b, context + width)
+    features = torch.randn(b, context, len(cfg.target_layer_ids) * cfg.hidden_size, generator=g).to(device)
+    drafter.write_context(features, torch.arange(context, device=device).expand(b, -1), cache)
+    lens = torch.tensor(context_lens, device=device)
+    block = torch.randn(b, width, cfg.hidden_size, generator=g).to(device)
+    positions = lens[:, None] + torch.arange(width, device=device)
+    plain = drafter(block, positions, cache, lens)
+    drafter.use_plugin = True
+    try:
+        return plain, drafter(block, positions, cache, lens)
+    finally:
+        drafter.use_plugin = False

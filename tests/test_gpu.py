@@ -164,22 +164,9 @@ def _heldout_token_prompts(target_dir, count):
 
 
 def test_drafter_plugin_switch_on_cuda(embedded_on_cuda):
-    _, _, drafter, _ = embedded_on_cuda
-    cfg = drafter.config
-    b, width = 3, cfg.block_size
-    cache = drafter.new_cache(b, 300)
-    g = torch.Generator().manual_seed(5)
-    features = torch.randn(b, 280, len(cfg.target_layer_ids) * cfg.hidden_size, generator=g).to(CUDA)
-    drafter.write_context(features, torch.arange(280, device=CUDA).expand(b, -1), cache)
-    lens = torch.tensor([280, 0, 97], device=CUDA)
-    block = torch.randn(b, width, cfg.hidden_size, generator=g).to(CUDA)
-    positions = lens[:, None] + torch.arange(width, device=CUDA)
-    plain = drafter(block, positions, cache, lens)
-    drafter.use_plugin = True
-    try:
-        plugged = drafter(block, positions, cache, lens)
-    finally:
-        drafter.use_plugin = False
+    from draft_block_cases import drafter_plain_and_plugin
+
+    plain, plugged = drafter_plain_and_plugin(embedded_on_cuda[2], [280, 0, 97], context=280, seed=5)
     torch.testing.assert_close(plugged, plain, rtol=1e-4, atol=1e-4)
 
 

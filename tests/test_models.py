@@ -10,6 +10,8 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
+from draft_block_cases import drafter_plain_and_plugin
+
 from trtllm_dflash.errors import InputError
 from trtllm_dflash.models.drafter import DFlashConfig, default_target_layer_ids, load_drafter, save_drafter
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
@@ -137,18 +139,5 @@ def test_plugin_switch_matches_plain_path(drafter, context_lens):
     """The drafter's block attention through the draft-block custom op equals the plain path,
     with ragged contexts (including an empty one) in one batch, and for a single request (whose
     op output is a non-contiguous view on CPU)."""
-    cfg = drafter.config
-    b, width, cap = len(context_lens), cfg.block_size, 24
-    cache = drafter.new_cache(b, cap)
-    features = torch.randn(b, 12, len(cfg.target_layer_ids) * cfg.hidden_size)
-    drafter.write_context(features, torch.arange(12).expand(b, -1), cache)
-    lens = torch.tensor(context_lens)
-    block = torch.randn(b, width, cfg.hidden_size)
-    positions = lens[:, None] + torch.arange(width)
-    plain = drafter(block, positions, cache, lens)
-    drafter.use_plugin = True
-    try:
-        plugged = drafter(block, positions, cache, lens)
-    finally:
-        drafter.use_plugin = False
+    plain, plugged = drafter_plain_and_plugin(drafter, context_lens, context=12)
     torch.testing.assert_close(plugged, plain, rtol=1e-5, atol=1e-5)
