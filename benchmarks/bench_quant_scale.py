@@ -4,16 +4,23 @@ Each layer has the real 120b tensors (hidden 2880, 128 experts, MXFP4 experts
 ``gate_up_proj_blocks [128, 5760, 90, 16]``, 64/8 heads of 64, biases, sinks, router); the vocab is
 cut to 8192 so embed/lm_head stay small (the real 201088 would add 2 x 1.16 GB of plain copying).
 Each measurement runs in a fresh subprocess that reports its own peak RSS (VmHWM, Linux); the reference is a
-plain file copy of the same shards. Usage::
+plain file copy of the same shards. Copy and conversions alternate (copy, recipe 1, recipe 2, ..., repeated
+``--repeats`` times, each preceded by an untimed ``sync``) so that load from other jobs on a shared machine
+hits both; each row gives medians, and "x copy" is the median over repeats of copy seconds / recipe seconds
+from the same round (the fraction of copy throughput reached). Conversion seconds exclude the child's
+one-off ``import`` of torch and the converter (a fixed ~1 s, whatever the size); "x copy incl. import"
+counts it. Usage::
 
-    python benchmarks/bench_quant_scale.py --layers 2 4 8 --recipes nvfp4 mxfp4 fp8:2 --workdir /tmp
+    python benchmarks/bench_quant_scale.py --layers 2 4 8 --recipes nvfp4 mxfp4 fp8:2 --repeats 3 --workdir /tmp
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -86,19 +93,23 @@ from pathlib import Path
 src, dst, what = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 t = time.perf_counter()
 if what == "copy":
+    imported = t
     dst.mkdir()
     for f in src.iterdir():
         shutil.copyfile(f, dst / f.name)
     written = sum(f.stat().st_size for f in dst.iterdir())
 else:
     from trtllm_dflash.quant.convert import convert_checkpoint
+    imported = time.perf_counter()
     written = convert_checkpoint(src, dst, what, progress=False).bytes_written
+end = time.perf_counter()
 hwm_kib = int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
-print(json.dumps({"seconds": time.perf_counter() - t, "written": written, "peak_rss_mib": hwm_kib / 1024}))
+print(json.dumps({"seconds": end - imported, "import_seconds": imported - t, "written": written, "peak_rss_mib": hwm_kib / 1024}))
 """
 
 
 def measure(src: Path, dst: Path, what: str) -> dict:
+    os.sync()  # untimed: start every measurement without the previous one's dirty pages still pending
     out = subprocess.run([sys.executable, "-c", CHILD, str(src), str(dst), what], check=True, capture_output=True, text=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     shutil.rmtree(dst)
@@ -110,23 +121,35 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--recipes", nargs="+", default=["nvfp4", "mxfp4", "fp8:2"],
                         help="recipe, or recipe:MAXLAYERS to run it only up to that layer count")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of copy + every recipe, alternating")
     parser.add_argument("--workdir", default=tempfile.gettempdir())
     args = parser.parse_args()
-    print("| layers | source GB | what | seconds | read GB/s | peak RSS MiB |")
-    print("|---|---|---|---|---|---|")
+    print("| layers | source GB | what | runs (s) | median s | read GB/s | x copy | x copy incl. import | peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for layers in args.layers:
+        recipes = []
+        for what in args.recipes:
+            recipe, _, limit = what.partition(":")
+            if not (limit and layers > int(limit)):
+                recipes.append(recipe)
         root = Path(tempfile.mkdtemp(prefix="bench_quant_", dir=args.workdir))
         try:
             src = root / "src"
             src.mkdir()
             size = make_checkpoint(src, layers)
-            for what in ["copy", *args.recipes]:
-                recipe, _, limit = what.partition(":")
-                if limit and layers > int(limit):
-                    continue
-                r = measure(src, root / "out", recipe)
-                print(f"| {layers} | {size / 1e9:.2f} | {recipe} | {r['seconds']:.1f} | "
-                      f"{size / 1e9 / r['seconds']:.2f} | {r['peak_rss_mib']:.0f} |", flush=True)
+            runs: dict[str, list[dict]] = {w: [] for w in ["copy", *recipes]}
+            for _ in range(args.repeats):
+                for what in runs:
+                    runs[what].append(measure(src, root / "out", what))
+            for what, rs in runs.items():
+                seconds = statistics.median(r["seconds"] for r in rs)
+                ratio = statistics.median(c["seconds"] / r["seconds"] for c, r in zip(runs["copy"], rs))
+                total = statistics.median(
+                    c["seconds"] / (r["seconds"] + r["import_seconds"]) for c, r in zip(runs["copy"], rs)
+                )
+                times = " / ".join(f"{r['seconds']:.1f}" for r in rs)
+                print(f"| {layers} | {size / 1e9:.2f} | {what} | {times} | {seconds:.1f} | {size / 1e9 / seconds:.2f} | "
+                      f"{ratio:.2f} | {total:.2f} | {max(r['peak_rss_mib'] for r in rs):.0f} |", flush=True)
         finally:
             shutil.rmtree(root)
 

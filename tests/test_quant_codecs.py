@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trtllm_dflash.errors import InputError
+from trtllm_dflash.quant import codecs
 from trtllm_dflash.quant.codecs import (
     e2m1_decode,
     e2m1_encode,
@@ -229,6 +230,48 @@ def test_mxfp4_to_nvfp4_wide_scale_span_obeys_nvfp4_bound():
     assert (err[in_range] == 0).all()
 
 
+def same_rescale(a: codecs.MXFP4Rescale, b: codecs.MXFP4Rescale) -> bool:
+    as_bytes = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (*a[:3], *b[:3])]
+    return a.exact == b.exact and all(
+        x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y) for x, y in zip(as_bytes[:3], as_bytes[3:])
+    )
+
+
+@pytest.mark.parametrize("lead", [(3,), (2, 3), (70, 2)])  # (70, 2) with scale_dims=1: >64 groups
+def test_mxfp4_to_nvfp4_scales_numpy_matches_torch(lead):
+    """The CPU (numpy) scale path and the any-device torch path give identical bytes: zero blocks,
+    sign-only (-0) blocks, scale bytes 0 and 254, spans inside and beyond E4M3's range."""
+    g = torch.Generator().manual_seed(len(lead) * 100 + lead[0])
+    for trial in range(20):
+        lo = int(torch.randint(0, 240, (), generator=g))
+        hi = min(255, lo + int(torch.randint(1, 40, (), generator=g)))
+        blocks = torch.randint(0, 256, lead + (5, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(lo, hi, lead + (5,), dtype=torch.uint8, generator=g)
+        pick = torch.rand(lead + (5,), generator=g)
+        blocks[pick < 0.2] = 0
+        blocks[(pick >= 0.2) & (pick < 0.3)] = 0x88
+        if trial == 0:
+            scales.view(-1)[0], scales.view(-1)[-1] = 0, 254
+        for scale_dims in range(len(lead) + 1):
+            fast = codecs._rescale_numpy(blocks, scales, scale_dims)
+            assert same_rescale(fast, codecs._rescale_torch(blocks, scales, scale_dims)), (trial, scale_dims)
+            assert fast.exact == (not bool(fast.out_of_range.any()))
+
+
+def test_mxfp4_to_nvfp4_scales_flag_exact_chunks():
+    g = torch.Generator().manual_seed(8)
+    blocks = torch.randint(0, 256, (2, 4, 3, 16), dtype=torch.uint8, generator=g) | 0x11  # every block non-zero
+    scales = torch.full((2, 4, 3), 120, dtype=torch.uint8)
+    assert codecs.mxfp4_to_nvfp4_scales(blocks, scales, scale_dims=1).exact
+    scales[1, 0, 0] = 120 - 18  # one binade below E4M3's smallest subnormal under expert 1's global scale
+    r = codecs.mxfp4_to_nvfp4_scales(blocks, scales, scale_dims=1)
+    assert not r.exact and r.out_of_range.nonzero().tolist() == [[1, 0, 0]]
+    t = mxfp4_to_nvfp4(blocks, scales, scale_dims=1)
+    assert torch.equal(t.weight[0], blocks[0].flatten(-2))  # expert 0 keeps its codes
+    with pytest.raises(InputError, match="255"):
+        codecs.mxfp4_to_nvfp4_scales(blocks, torch.full_like(scales, 255), scale_dims=1)
+
+
 # ----------------------------------------------------------------------------------------------
 # bad input
 
@@ -301,6 +344,13 @@ def test_fuzz_mxfp4_to_nvfp4(x):
     source = mxfp4_decode(blocks, scales)
     t = mxfp4_to_nvfp4(blocks, scales, scale_dims=1)
     assert ((nvfp4_decode(*t) - source).abs() <= nvfp4_bound(source, t.weight_scale_2)).all()
+
+
+@FUZZ
+@given(weights(32), st.integers(0, 2))
+def test_fuzz_mxfp4_to_nvfp4_scales_numpy_matches_torch(x, scale_dims):
+    blocks, scales = mxfp4_encode(x)
+    assert same_rescale(codecs._rescale_numpy(blocks, scales, scale_dims), codecs._rescale_torch(blocks, scales, scale_dims))
 
 
 @FUZZ

@@ -8,6 +8,7 @@ against the exactly decoded source. Expected: 0 for none/mxfp4 (lossless), 0 for
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from trtllm_dflash.checkpoints import safetensors_io
-from trtllm_dflash.checkpoints.safetensors_io import ShardedReader, save_sharded
+from trtllm_dflash.checkpoints.safetensors_io import FileRange, ShardedReader, StreamingShardWriter, TensorInfo, save_sharded
 from trtllm_dflash.errors import InputError
 from trtllm_dflash.quant import convert as convert_mod
 from trtllm_dflash.quant.codecs import mxfp4_decode, mxfp4_encode
@@ -254,7 +255,7 @@ def test_streaming_writes_pieces_into_many_shards(gptoss_dir, tmp_path, monkeypa
         real_close(self)
 
     def write(self, name, piece):
-        pieces.append((name, piece.numel() * piece.element_size()))
+        pieces.append((name, piece.nbytes if isinstance(piece, FileRange) else piece.numel() * piece.element_size()))
         return real_write(self, name, piece)
 
     monkeypatch.setattr(safetensors_io.StreamingShardWriter, "__init__", init)
@@ -274,9 +275,121 @@ def test_failure_leaves_no_partial_output(gptoss_dir, tmp_path, monkeypatch):
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(convert_mod, "mxfp4_to_nvfp4", boom)
+    monkeypatch.setattr(convert_mod, "mxfp4_to_nvfp4_scales", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         convert_checkpoint(gptoss_dir, tmp_path / "o", "nvfp4", progress=False)
     assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# file-to-file copies: unchanged bytes never pass through Python, and the output does not change
+
+
+def output_bytes(directory: Path) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(directory.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def wide_span_dir(gptoss_dir, tmp_path_factory) -> Path:
+    """gptoss_dir with expert 2 of layer 1's gate_up_proj spanning 30 binades: its blocks far below
+    the expert's largest are beyond E4M3's range under the global scale, so that expert (only) needs
+    the computed NVFP4 path."""
+    reader = ShardedReader(gptoss_dir)
+    state = {n: reader.read(n) for n in reader.infos}
+    scales = state["model.layers.1.mlp.experts.gate_up_proj_scales"]
+    scales[2, ::2] = int(scales[2].max()) - 30
+    directory = tmp_path_factory.mktemp("wide")
+    save_sharded(directory, state, max_shard_bytes=120_000)
+    for f in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        (directory / f).write_bytes((gptoss_dir / f).read_bytes())
+    return directory
+
+
+def test_exact_fp4_copy_gives_the_computed_bytes(wide_span_dir, tmp_path, monkeypatch):
+    """MXFP4 -> NVFP4 experts: FP4 codes copied file to file where every block scale fits E4M3
+    (the computed path where one does not) give byte-identical shards to the computed path alone."""
+    monkeypatch.setattr(convert_mod, "CHUNK_ELEMENTS", 1)  # one expert per chunk: exact and computed experts mix
+    computed, copied = [], []
+    real_compute, real_range = convert_mod.mxfp4_to_nvfp4, ShardedReader.byte_range
+
+    def compute(blocks, scales, **kwargs):
+        computed.append(kwargs["name"])
+        return real_compute(blocks, scales, **kwargs)
+
+    def byte_range(self, name, start=None, stop=None):
+        if name.endswith("_blocks"):
+            copied.append(name)
+        return real_range(self, name, start, stop)
+
+    monkeypatch.setattr(convert_mod, "mxfp4_to_nvfp4", compute)
+    monkeypatch.setattr(ShardedReader, "byte_range", byte_range)
+    amax = {"model.layers.1.mlp.experts.gate_up_proj": 5.0}
+    convert_checkpoint(wide_span_dir, tmp_path / "fast", "nvfp4", input_amax=amax, max_shard_bytes=50_000, progress=False)
+    assert computed == ["model.layers.1.mlp.experts.gate_up_proj"]  # only the wide-span expert
+    assert len(copied) == LAYERS * len(EXPERT_PARAMS) * EXPERTS - 1
+
+    computed.clear()
+    monkeypatch.setattr(convert_mod, "COPY_EXACT_FP4", False)
+    convert_checkpoint(wide_span_dir, tmp_path / "slow", "nvfp4", input_amax=amax, max_shard_bytes=50_000, progress=False)
+    assert len(computed) == LAYERS * len(EXPERT_PARAMS) * EXPERTS
+    assert output_bytes(tmp_path / "fast") == output_bytes(tmp_path / "slow")
+    ref, dq = load_dequantized_state_dict(wide_span_dir), load_dequantized_state_dict(tmp_path / "fast")
+    for layer in range(LAYERS):
+        for param in EXPERT_PARAMS:
+            name = f"model.layers.{layer}.mlp.{param}"
+            wide = (layer, param) == (1, "experts.gate_up_proj")
+            assert torch.equal(dq[name][:2], ref[name][:2]) and (wide or torch.equal(dq[name], ref[name])), name
+
+
+def kernel_copy_failing_after(limit: int):
+    """An ``os.copy_file_range`` that copies ``limit`` bytes (in small calls), then fails like an old kernel."""
+    real, budget = os.copy_file_range, [limit]
+
+    def copy_file_range(src, dst, count, offset_src=None, offset_dst=None):
+        if budget[0] <= 0:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        copied = real(src, dst, min(count, 97, budget[0]), offset_src, offset_dst)
+        budget[0] -= copied
+        return copied
+
+    return copy_file_range
+
+
+@pytest.mark.parametrize("failure", ["oserror", "partial-then-oserror", "copies-nothing", "unavailable"])
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+def test_copy_fallback_gives_identical_output(gptoss_dir, tmp_path, monkeypatch, recipe, failure):
+    """Without a working os.copy_file_range the buffered copy takes over (from where the kernel
+    copy stopped) and writes the same bytes."""
+    convert_checkpoint(gptoss_dir, tmp_path / "kernel", recipe, max_shard_bytes=50_000, progress=False)
+    monkeypatch.setattr(safetensors_io, "COPY_BUFFER_BYTES", 1000)  # many buffered chunks per tensor
+    if failure == "unavailable":
+        monkeypatch.delattr(os, "copy_file_range")
+    else:
+        broken = {
+            "oserror": kernel_copy_failing_after(0),
+            "partial-then-oserror": kernel_copy_failing_after(5000),
+            "copies-nothing": lambda *args: 0,
+        }[failure]
+        monkeypatch.setattr(os, "copy_file_range", broken)
+    convert_checkpoint(gptoss_dir, tmp_path / "buffered", recipe, max_shard_bytes=50_000, progress=False)
+    assert output_bytes(tmp_path / "kernel") == output_bytes(tmp_path / "buffered")
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_copy_past_end_of_source_is_an_error(tmp_path, monkeypatch, kernel_copy):
+    """A source that ends early (changed after its header was checked) fails the write, not silently."""
+    if not kernel_copy:
+        monkeypatch.delattr(os, "copy_file_range")
+    source = tmp_path / "src.bin"
+    source.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(InputError, match="src.bin: file is truncated"):
+        with StreamingShardWriter(tmp_path / "out.safetensors", [TensorInfo("t", torch.uint8, (2048,))]) as writer:
+            writer.write("t", FileRange(source, 0, 1024))
+            writer.write("t", FileRange(source, 512, 1024))  # 512 bytes short
+    (tmp_path / "ok").mkdir()
+    with StreamingShardWriter(tmp_path / "ok" / "model.safetensors", [TensorInfo("t", torch.uint8, (1024,))]) as writer:
+        writer.write("t", FileRange(source, 0, 1024))
+    assert torch.equal(ShardedReader(tmp_path / "ok").read("t"), torch.arange(256, dtype=torch.uint8).repeat(4))
 
 
 def test_overwrite_replaces_only_when_asked(gptoss_dir, tmp_path):
@@ -321,7 +434,7 @@ def test_missing_shard_and_bad_header(gptoss_dir, tmp_path):
     with pytest.raises(InputError, match="header is not valid JSON"):
         convert_checkpoint(src, tmp_path / "o", progress=False)
     shard.unlink()
-    with pytest.raises(InputError, match="file not found"):
+    with pytest.raises(InputError, match="shard listed in model.safetensors.index.json is missing"):
         convert_checkpoint(src, tmp_path / "o", progress=False)
 
 

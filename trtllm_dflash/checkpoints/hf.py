@@ -40,20 +40,29 @@ def require(config: dict[str, Any], key: str, kind: type | tuple[type, ...], pat
     return value
 
 
+def index_weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file) of a sharded checkpoint's index."""
+    weight_map = require(read_json(index), "weight_map", dict, index)
+    if not all(isinstance(file, str) for file in weight_map.values()):
+        raise InputError("expected tensor names mapped to shard file names.", path=index, field="weight_map")
+    return weight_map
+
+
 def safetensors_files(directory: Path) -> list[Path]:
-    """The weight files of a checkpoint: the sharded index's files, or the single file."""
+    """The weight files of a checkpoint: the index's shards, else every ``*.safetensors`` file."""
+    if not directory.is_dir():
+        raise InputError("checkpoint directory not found.", path=directory)
     index = directory / INDEX_FILE
     if index.is_file():
-        weight_map = require(read_json(index), "weight_map", dict, index)
-        files = sorted({directory / name for name in weight_map.values()})
+        files = sorted({directory / name for name in index_weight_map(index).values()})
         for file in files:
             if not file.is_file():
                 raise InputError(f"shard listed in {INDEX_FILE} is missing.", path=file)
         return files
-    single = directory / SINGLE_FILE
-    if single.is_file():
-        return [single]
-    raise InputError(f"no weights found; expected {SINGLE_FILE} or {INDEX_FILE}.", path=directory)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise InputError(f"no weights found; expected {SINGLE_FILE} or {INDEX_FILE}.", path=directory)
+    return files
 
 
 def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:

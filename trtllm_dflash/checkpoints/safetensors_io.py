@@ -6,7 +6,10 @@ re-opened per read so no memory map stays resident longer than one slice.
 
 Writing: the header of a shard is computed from the tensor list before any data exists, then
 pieces are written at their final offsets as they are produced. Memory is one piece, not one
-shard, whatever the model size.
+shard, whatever the model size. A piece is either a tensor (one ``pwrite`` of its contiguous
+bytes) or a :class:`FileRange` of a source shard, copied file to file by the kernel
+(``os.copy_file_range``; a buffered ``pread``/``pwrite`` loop where that is unavailable or fails),
+so tensors that are copied unchanged never pass through Python.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import json
 import math
 import os
 import struct
+from collections import deque
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +29,10 @@ from safetensors import safe_open
 
 from trtllm_dflash.errors import InputError
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
+from .hf import INDEX_FILE, SINGLE_FILE, index_weight_map, safetensors_files
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # same sanity limit the safetensors library applies
+COPY_BUFFER_BYTES = 16 * 2**20  # buffered-copy fallback granularity
+MAX_PENDING_COPIES = 4  # file-range copies queued behind the one running, per writer
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -59,12 +65,26 @@ class TensorInfo:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+@dataclass(frozen=True)
+class FileRange:
+    """``nbytes`` bytes at absolute byte ``offset`` of file ``path``: tensor data to copy verbatim."""
+
+    path: Path
+    offset: int
+    nbytes: int
+
+
 # ----------------------------------------------------------------------------------------------
 # reading
 
 
 def read_header(path: str | Path) -> dict[str, TensorInfo]:
     """Parse and validate a safetensors header; InputError on a missing, truncated or corrupt file."""
+    return _read_header(path)[0]
+
+
+def _read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, int]]:
+    """:func:`read_header`, plus each tensor's absolute byte offset in the file."""
     path = Path(path)
     if not path.is_file():
         raise InputError("file not found", path=path)
@@ -81,7 +101,7 @@ def read_header(path: str | Path) -> dict[str, TensorInfo]:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InputError(f"header is not valid JSON ({e})", path=path, field="header") from None
     data_bytes = size - 8 - header_len
-    infos = {}
+    infos, offsets = {}, {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -97,7 +117,8 @@ def read_header(path: str | Path) -> dict[str, TensorInfo]:
                 f"file is truncated: tensor ends at byte {end} of a {data_bytes}-byte data section", path=path, field=name
             )
         infos[name] = info
-    return infos
+        offsets[name] = 8 + header_len + begin
+    return infos, offsets
 
 
 class ShardedReader:
@@ -107,41 +128,22 @@ class ShardedReader:
         self.directory = Path(directory)
         self.files: dict[str, Path] = {}
         self.infos: dict[str, TensorInfo] = {}
-        for file in self._shard_files():
-            for name, info in read_header(file).items():
+        self._offsets: dict[str, int] = {}
+        for file in safetensors_files(self.directory):
+            infos, offsets = _read_header(file)
+            for name, info in infos.items():
                 if name in self.infos:
                     raise InputError(f"tensor also present in {self.files[name].name}", path=file, field=name)
                 self.files[name] = file
                 self.infos[name] = info
+                self._offsets[name] = offsets[name]
         self._check_index()
 
-    def _shard_files(self) -> list[Path]:
-        if not self.directory.is_dir():
-            raise InputError("checkpoint directory not found", path=self.directory)
-        index = self.directory / INDEX_NAME
-        if index.is_file():
-            weight_map = self._weight_map(index)
-            return [self.directory / f for f in sorted(set(weight_map.values()))]
-        files = sorted(self.directory.glob("*.safetensors"))
-        if not files:
-            raise InputError("no *.safetensors files and no index", path=self.directory, field=SINGLE_NAME)
-        return files
-
-    @staticmethod
-    def _weight_map(index: Path) -> dict[str, str]:
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise InputError(f"expected a JSON object with a 'weight_map' ({e})", path=index, field="weight_map") from None
-        if not isinstance(weight_map, dict):
-            raise InputError("'weight_map' must map tensor names to shard files", path=index, field="weight_map")
-        return weight_map
-
     def _check_index(self) -> None:
-        index = self.directory / INDEX_NAME
+        index = self.directory / INDEX_FILE
         if not index.is_file():
             return
-        for name, file in self._weight_map(index).items():
+        for name, file in index_weight_map(index).items():
             if name not in self.infos:
                 raise InputError(f"index lists tensor in {file} but no shard holds it", path=index, field=name)
             if self.files[name].name != file:
@@ -154,6 +156,20 @@ class ShardedReader:
                 return f.get_tensor(name)
             return f.get_slice(name)[start:stop]
 
+    def byte_range(self, name: str, start: int | None = None, stop: int | None = None) -> FileRange:
+        """Where the bytes of tensor ``name`` (rows ``start:stop`` of dim 0 if given) lie in its shard."""
+        info = self.infos[name]
+        if not info.shape:
+            if start is not None or stop is not None:
+                raise ValueError(f"{name}: a 0-d tensor has no rows")
+            return FileRange(self.files[name], self._offsets[name], info.nbytes)
+        rows = info.shape[0]
+        start, stop = 0 if start is None else start, rows if stop is None else stop
+        if not 0 <= start <= stop <= rows:
+            raise ValueError(f"{name}: rows {start}:{stop} outside 0:{rows}")
+        row_bytes = info.nbytes // rows if rows else 0
+        return FileRange(self.files[name], self._offsets[name] + start * row_bytes, (stop - start) * row_bytes)
+
 
 # ----------------------------------------------------------------------------------------------
 # writing
@@ -162,7 +178,7 @@ class ShardedReader:
 def shard_names(count: int) -> list[str]:
     """HF shard file names: ``model.safetensors`` for one, ``model-0000i-of-0000n.safetensors`` otherwise."""
     if count == 1:
-        return [SINGLE_NAME]
+        return [SINGLE_FILE]
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
@@ -189,6 +205,10 @@ class StreamingShardWriter:
 
     Each tensor's pieces must arrive in row-major order (they are appended at that tensor's
     cursor); different tensors may interleave. :meth:`close` fails if any tensor is incomplete.
+
+    :class:`FileRange` pieces are copied by one background thread (the kernel copy releases the
+    GIL), so copying overlaps whatever computes the next pieces; at most ``MAX_PENDING_COPIES``
+    wait, and :meth:`close` (or the next write) re-raises a failed copy.
     """
 
     def __init__(self, path: str | Path, infos: Sequence[TensorInfo], metadata: dict[str, str] | None = None):
@@ -209,25 +229,50 @@ class StreamingShardWriter:
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # keep tensor data 8-byte aligned
         self._data_start = 8 + len(encoded)
+        self._copier: ThreadPoolExecutor | None = None
+        self._copies: deque[Future] = deque()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.write(self._fd, struct.pack("<Q", len(encoded)) + encoded)
         os.ftruncate(self._fd, self._data_start + position)
 
-    def write(self, name: str, piece: torch.Tensor) -> int:
-        """Append ``piece`` (the next rows of tensor ``name``); returns bytes written."""
-        data = piece.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-        if self._offset[name] + data.nbytes > self._end[name]:
+    def write(self, name: str, piece: torch.Tensor | FileRange) -> int:
+        """Append ``piece`` (the next bytes of tensor ``name``); returns bytes written.
+
+        A tensor is written with one ``pwrite`` of its contiguous bytes; a :class:`FileRange` is
+        copied from its file by the kernel without passing through Python, in the background.
+        """
+        nbytes = piece.nbytes if isinstance(piece, FileRange) else piece.numel() * piece.element_size()
+        if self._offset[name] + nbytes > self._end[name]:
             raise ValueError(f"{self.path.name}: piece overruns tensor {name}")
         position = self._data_start + self._offset[name]
-        view = memoryview(data)
-        while len(view):
-            written = os.pwrite(self._fd, view, position)
-            view, position = view[written:], position + written
-        self._offset[name] += data.nbytes
-        return data.nbytes
+        if isinstance(piece, FileRange):
+            while self._copies and (self._copies[0].done() or len(self._copies) > MAX_PENDING_COPIES):
+                self._copies.popleft().result()  # re-raises a failed copy
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(1, thread_name_prefix="shard-copy")
+            self._copies.append(self._copier.submit(copy_range, piece, self._fd, position))
+        else:
+            _pwrite_all(self._fd, memoryview(piece.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()), position)
+        self._offset[name] += nbytes
+        return nbytes
+
+    def _finish_copies(self, raise_errors: bool) -> None:
+        """Wait for every queued copy (the file descriptor must outlive them); maybe re-raise the first error."""
+        first_error = None
+        while self._copies:
+            error = self._copies.popleft().exception()  # blocks until that copy is done
+            first_error = first_error or error
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
+        if raise_errors and first_error is not None:
+            raise first_error
 
     def close(self) -> None:
-        os.close(self._fd)
+        try:
+            self._finish_copies(raise_errors=True)
+        finally:
+            os.close(self._fd)
         incomplete = [n for n, off in self._offset.items() if off != self._end[n]]
         if incomplete:
             raise ValueError(f"{self.path.name}: tensors left incomplete: {incomplete[:5]}")
@@ -239,12 +284,50 @@ class StreamingShardWriter:
         if exc_type is None:
             self.close()
         else:
-            os.close(self._fd)
+            try:
+                self._finish_copies(raise_errors=False)
+            finally:
+                os.close(self._fd)
+
+
+def _pwrite_all(fd: int, data: memoryview, position: int) -> None:
+    while len(data):
+        written = os.pwrite(fd, data, position)
+        data, position = data[written:], position + written
+
+
+def copy_range(source: FileRange, dst_fd: int, dst_offset: int) -> None:
+    """Copy ``source`` to byte ``dst_offset`` of ``dst_fd``: in-kernel ``os.copy_file_range`` where it
+    works (no user-space copy); otherwise (not available, cross-device on old kernels, unsupported
+    file system: any ``OSError``, or no progress) a buffered ``pread``/``pwrite`` of the rest."""
+    done = 0
+    src_fd = os.open(source.path, os.O_RDONLY)
+    try:
+        kernel_copy = getattr(os, "copy_file_range", None)
+        if kernel_copy is not None:
+            try:
+                while done < source.nbytes:
+                    copied = kernel_copy(src_fd, dst_fd, source.nbytes - done, source.offset + done, dst_offset + done)
+                    if copied == 0:
+                        break  # end of file, or a file system that copies nothing: the loop below decides
+                    done += copied
+            except OSError:
+                pass
+        while done < source.nbytes:
+            chunk = os.pread(src_fd, min(COPY_BUFFER_BYTES, source.nbytes - done), source.offset + done)
+            if not chunk:
+                raise InputError(
+                    f"file is truncated: expected {source.nbytes} bytes at offset {source.offset}", path=source.path
+                )
+            _pwrite_all(dst_fd, memoryview(chunk), dst_offset + done)
+            done += len(chunk)
+    finally:
+        os.close(src_fd)
 
 
 def write_index(directory: str | Path, weight_map: dict[str, str], total_size: int) -> Path:
     """Write ``model.safetensors.index.json`` (``metadata.total_size`` + sorted ``weight_map``)."""
-    path = Path(directory) / INDEX_NAME
+    path = Path(directory) / INDEX_FILE
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     path.write_text(json.dumps(index, indent=2) + "\n")
     return path
@@ -266,12 +349,10 @@ def save_sharded(
     return weight_map
 
 
-def iter_pieces(reader: ShardedReader, name: str, max_piece_bytes: int) -> Iterable[torch.Tensor]:
-    """Yield tensor ``name`` as dim-0 slices of at most ~``max_piece_bytes`` (whole if 0-d)."""
-    info = reader.infos[name]
-    if not info.shape or info.shape[0] == 0:
-        yield reader.read(name)
-        return
-    rows = max(1, max_piece_bytes // max(1, info.nbytes // info.shape[0]))
-    for start in range(0, info.shape[0], rows):
-        yield reader.read(name, start, min(start + rows, info.shape[0]))
+def iter_ranges(reader: ShardedReader, name: str, max_piece_bytes: int) -> Iterable[FileRange]:
+    """Tensor ``name``'s bytes in its shard as consecutive ranges of at most ``max_piece_bytes``."""
+    whole = reader.byte_range(name)
+    for start in range(0, whole.nbytes, max_piece_bytes):
+        yield FileRange(whole.path, whole.offset + start, min(max_piece_bytes, whole.nbytes - start))
+    if whole.nbytes == 0:
+        yield whole

@@ -7,12 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
-
 from ..errors import InputError
 from ..models.drafter import DFlashConfig
 from .gpt_oss import check_weight_files, read_target_config
-from .hf import safetensors_files
+from .safetensors_io import ShardedReader
 
 
 @dataclass(frozen=True)
@@ -25,11 +23,10 @@ class Pair:
 
 def tensor_shape(directory: Path, name: str) -> tuple[Path, tuple[int, ...]] | None:
     """(file, shape) of a tensor, read from the safetensors headers, accepting a `model.` prefix."""
-    for file in safetensors_files(directory):
-        with safe_open(file, framework="pt") as handle:
-            for key in (name, "model." + name):
-                if key in handle.keys():
-                    return file, tuple(handle.get_slice(key).get_shape())
+    reader = ShardedReader(directory)
+    for key in (name, "model." + name):
+        if key in reader.infos:
+            return reader.files[key], reader.infos[key].shape
     return None
 
 

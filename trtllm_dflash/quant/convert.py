@@ -17,6 +17,13 @@ Memory stays flat in the number of layers: tensors are read slice by slice, expe
 a few experts at a time, and every piece is written straight to its final offset in its shard
 (whose layout is computed up front). Everything goes to a temporary sibling directory that is
 renamed into place at the end, so a failure never leaves a half-written checkpoint.
+
+Bytes that come out unchanged are never copied through Python: pass-through tensors (bf16 kept
+as is, MXFP4 kept by the ``mxfp4`` recipe) and the FP4 codes of MXFP4 experts re-expressed as
+NVFP4 (identical bytes: ``[E, out, in/32, 16]`` blocks are ``[E, out, in/2]`` in the same order)
+are copied shard to shard by the kernel (:func:`~trtllm_dflash.checkpoints.safetensors_io.copy_range`);
+only the scale tensors are computed. A chunk of experts with a block scale E4M3 cannot hold falls
+back to the computed path (:func:`~trtllm_dflash.quant.codecs.mxfp4_to_nvfp4`).
 """
 
 from __future__ import annotations
@@ -36,11 +43,12 @@ import torch
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from trtllm_dflash.checkpoints.safetensors_io import (
+    FileRange,
     ShardedReader,
     StreamingShardWriter,
     TensorInfo,
     group_into_shards,
-    iter_pieces,
+    iter_ranges,
     shard_names,
     write_index,
 )
@@ -55,6 +63,7 @@ from trtllm_dflash.quant.codecs import (
     mxfp4_decode,
     mxfp4_encode,
     mxfp4_to_nvfp4,
+    mxfp4_to_nvfp4_scales,
     nvfp4_decode,
     nvfp4_encode,
 )
@@ -62,6 +71,7 @@ from trtllm_dflash.quant.recipes import EXPERTS, KV_CACHE_ALGOS, Format, get_rec
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 PIECE_BYTES = 64 * 2**20  # passthrough copy granularity
+COPY_EXACT_FP4 = True  # MXFP4 -> NVFP4: copy unchanged FP4 codes file to file (False: always the computed path)
 CHUNK_ELEMENTS = 2**24  # experts decoded/encoded per step: ~64 MiB of fp32 plus temporaries
 SCALE_KINDS = ("weight_scale", "weight_scale_2", "input_scale")
 AUX_FILES = (
@@ -75,7 +85,7 @@ AUX_FILES = (
     "*.tiktoken",
 )
 
-Piece = tuple[str, torch.Tensor]
+Piece = tuple[str, torch.Tensor | FileRange]
 
 
 def scale_name(param: str, kind: str) -> str:
@@ -174,9 +184,11 @@ def _canonical_chunks(reader: ShardedReader, p: SourceParam, rows: int) -> Itera
 
 
 def _passthrough(reader: ShardedReader, names: tuple[str, ...]) -> Job:
+    """Tensors copied unchanged, file to file (never through Python)."""
+
     def pieces() -> Iterator[Piece]:
         for name in names:
-            for piece in iter_pieces(reader, name, PIECE_BYTES):
+            for piece in iter_ranges(reader, name, PIECE_BYTES):
                 yield name, piece
 
     return Job([reader.infos[n] for n in names], pieces)
@@ -233,10 +245,15 @@ def _to_scaled(reader: ShardedReader, p: SourceParam, fmt: Format, input_amax: f
         outputs.append(TensorInfo(scale_name(p.name, "input_scale"), torch.float32, ()))
     rows = _rows_per_chunk(shape, scale_dims == 1)
 
-    def encoded() -> Iterator[tuple[torch.Tensor, ...]]:
+    def encoded() -> Iterator[tuple[torch.Tensor | FileRange, ...]]:
         if fmt is Format.NVFP4 and p.mxfp4:  # exact re-expression, no decode on the fast path
             for a, b in _row_ranges(shape[0], rows):
                 blocks, scales = reader.read(p.tensors[0], a, b), reader.read(p.tensors[1], a, b)
+                if COPY_EXACT_FP4:
+                    rescale = mxfp4_to_nvfp4_scales(blocks, scales, scale_dims=scale_dims, name=p.name, path=path)
+                    if rescale.exact:  # codes unchanged: copy the source bytes
+                        yield reader.byte_range(p.tensors[0], a, b), rescale.weight_scale, rescale.weight_scale_2
+                        continue
                 yield mxfp4_to_nvfp4(blocks, scales, scale_dims=scale_dims, name=p.name, path=path)
             return
         encode = fp8_encode if fmt is Format.FP8 else nvfp4_encode
