@@ -49,9 +49,12 @@ def embedded_pair() -> tuple[Path, Path]:
                    "are present, its TensorRT engine.")
 @click.option("--schedule-from", type=click.Path(path_type=Path),
               help="A dflash-bench bench.json: write its load-aware draft_len_schedule into the options.")
+@click.option("--input-amax", "input_amax_file", type=click.Path(path_type=Path),
+              help="JSON of calibrated activation amax per weight name (input_scale of NVFP4 experts). "
+                   "Default with --quant nvfp4: calibrate the target here (small models only).")
 @clean_errors
 def main(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_cache_dtype, max_draft_len,
-         max_seq_len, tp, ep, triton_repo, check, force, quiet, trt_drafter, schedule_from):
+         max_seq_len, tp, ep, triton_repo, check, force, quiet, trt_drafter, schedule_from, input_amax_file):
     """Build an engine directory: checkpoints, llm_api_options.yaml, a Triton repository and a
     manifest with the sha256 of every file. Interrupted builds resume where they stopped."""
     from trtllm_dflash.engine.build import BuildOptions, build_engine, plan_build
@@ -73,7 +76,8 @@ def main(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_
             raise InputError("--max-draft-len and --schedule-from both set the draft length; give one.",
                              field="--max-draft-len")
     options = BuildOptions(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_cache_dtype,
-                           max_draft_len, max_seq_len, tp, ep, triton_repo, force, schedule, trt_drafter)
+                           max_draft_len, max_seq_len, tp, ep, triton_repo, force, schedule, trt_drafter,
+                           input_amax_file)
     if check:
         plan = plan_build(options)
         spec = plan.llm_options.speculative_config

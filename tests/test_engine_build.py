@@ -132,3 +132,34 @@ def test_existing_output_needs_force(tiny_pair, engine, tmp_path):
     assert (out / "keep.txt").is_file()
     result = build_engine(BuildOptions(target, drafter, out, force=True), show_progress=False, log=lambda _: None)
     assert not (out / "keep.txt").exists() and result.engine.manifest["complete"]
+
+
+def test_nvfp4_target_build_calibrates_input_scales(tiny_pair, tmp_path):
+    """NVFP4 gpt-oss experts need *_input_scale (TensorRT-LLM's NVFP4 MoE loader): dflash-build
+    calibrates the target on built-in prompts when no amax file is given, or uses the file."""
+    from trtllm_dflash.checkpoints.safetensors_io import ShardedReader
+
+    target, drafter = tiny_pair
+    built = build_engine(BuildOptions(target, drafter, tmp_path / "nvfp4", quant="nvfp4", max_draft_len=2),
+                         show_progress=False, log=lambda _: None)
+    engine = built.engine
+    quant = json.loads((engine.target_dir / "hf_quant_config.json").read_text())["quantization"]
+    assert quant["quant_algo"] == "NVFP4" and quant["group_size"] == 16
+    reader = ShardedReader(engine.target_dir)
+    layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    for layer in range(layers):
+        for param in ("gate_up_proj", "down_proj"):
+            scale = reader.read(f"model.layers.{layer}.mlp.experts.{param}_input_scale")
+            assert scale.shape == () and float(scale) > 0
+    runtime = reference_runtime(engine, torch.device("cpu"), torch.float32)
+    params = SamplingParams(max_tokens=12)
+    ours = runtime.generate(PROMPTS[:2], params)
+    base = ReferenceRuntime(runtime.target, None).generate(PROMPTS[:2], params)
+    assert [r.output_token_ids for r in ours] == [r.output_token_ids for r in base]
+
+    amax = {f"model.layers.{i}.mlp.experts.{p}": 3.0 for i in range(layers) for p in ("gate_up_proj", "down_proj")}
+    (tmp_path / "amax.json").write_text(json.dumps(amax))
+    built = build_engine(BuildOptions(target, drafter, tmp_path / "file", quant="nvfp4", max_draft_len=2,
+                                      input_amax_file=tmp_path / "amax.json"), show_progress=False, log=lambda _: None)
+    scale = ShardedReader(built.engine.target_dir).read("model.layers.0.mlp.experts.down_proj_input_scale")
+    assert float(scale) == pytest.approx(3.0 / (6 * 448))

@@ -121,3 +121,11 @@ def test_bad_choices_and_pair_errors(tiny_pair, tmp_path, out):
     refused(run(["--target", target, "--drafter", drafter, "-o", out, "--profile", "nope"]), out, "--profile")
     refused(run(["--target", target, "-o", out]), out, "--drafter")
     refused(run(["--target", drafter, "--drafter", drafter, "-o", out]), out, drafter / "config.json", "model_type")
+
+
+def test_bad_input_amax_file_is_refused(tiny_pair, out, tmp_path):
+    target, drafter = tiny_pair
+    amax = tmp_path / "amax.json"
+    amax.write_text('{"model.layers.0.mlp.experts.down_proj": "big"}')
+    result = run(["--target", target, "--drafter", drafter, "-o", out, "--quant", "nvfp4", "--input-amax", amax])
+    refused(result, out, "amax.json", "weight name -> amax")

@@ -65,12 +65,15 @@ def test_quantized_pair_round_trips_into_the_runtime(pair, tmp_path, recipe):
     runtime, _ = run(pair / "target", pair / "drafter", max_tokens=6)
     amax = calibrate([runtime.target.hf, runtime.proposer.drafter],
                      lambda: runtime.generate(PROMPTS, SamplingParams(max_tokens=6), 3))
-    target_amax = {k: v for k, v in for_recipe(amax, recipe).items() if k.startswith("model.")}
+    # the target gets the recipe's gpt-oss variant (nvfp4: NVFP4 experts, which need input amax)
+    target_amax = {k: v for k, v in for_recipe(amax, recipe, model_type="gpt_oss").items() if k.startswith("model.")}
     drafter_amax = {k: v for k, v in for_recipe(amax, recipe).items() if not k.startswith("model.")}
+    if recipe == "nvfp4":
+        assert target_amax and all(".mlp.experts." in k for k in target_amax)
     convert_checkpoint(pair / "target", tmp_path / "target", recipe, input_amax=target_amax, progress=False)
     convert_checkpoint(pair / "drafter", tmp_path / "drafter", recipe, input_amax=drafter_amax, progress=False)
     quant_config = json.loads((tmp_path / "target" / "hf_quant_config.json").read_text())
-    assert quant_config["quantization"]["quant_algo"] in ("FP8", "MIXED_PRECISION")
+    assert quant_config["quantization"]["quant_algo"] == {"fp8": "FP8", "nvfp4": "NVFP4"}[recipe]
 
     tokens = torch.randint(0, 256, (4, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

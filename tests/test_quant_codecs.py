@@ -272,6 +272,32 @@ def test_mxfp4_to_nvfp4_scales_flag_exact_chunks():
         codecs.mxfp4_to_nvfp4_scales(blocks, torch.full_like(scales, 255), scale_dims=1)
 
 
+@pytest.mark.parametrize("device_path", ["numpy", "torch"])
+def test_mxfp4_global_log2_chunked_matches_whole_tensor(device_path, monkeypatch):
+    """One global scale per fused tensor (TensorRT-LLM's gpt-oss loader reads a scalar): the maximum
+    of per-chunk mxfp4_global_log2 equals the whole tensor's scale_dims=0 global, and a given
+    global_log2 reproduces the whole-tensor rescale chunk by chunk, on both code paths."""
+    if device_path == "torch":
+        monkeypatch.setattr(codecs, "_is_cpu_uint8", lambda blocks, scales: False)
+    g = torch.Generator().manual_seed(21)
+    blocks = torch.randint(0, 256, (4, 6, 5, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(124, 131, (4, 6, 5), dtype=torch.uint8, generator=g)
+    blocks[1] = 0
+    scales[1] = 200  # an all-zero expert with a huge scale byte must not move the global
+    blocks[3, 0, 0] = 0x11
+    scales[3, 0, 0] = 140  # expert 3 holds the largest non-zero block
+    scales[0, 0, 0] = 140 - 19  # beyond E4M3's range under the layer-wide global
+    whole = codecs.mxfp4_to_nvfp4_scales(blocks, scales, scale_dims=0)
+    log2 = max(codecs.mxfp4_global_log2(blocks[i:i + 1], scales[i:i + 1]) for i in range(4))
+    assert log2 == 140 - 127 - 8 and whole.weight_scale_2.item() == 2.0 ** log2
+    parts = [codecs.mxfp4_to_nvfp4_scales(blocks[i:i + 1], scales[i:i + 1], global_log2=log2) for i in range(4)]
+    assert torch.equal(torch.cat([r.weight_scale.view(torch.uint8) for r in parts]), whole.weight_scale.view(torch.uint8))
+    assert [r.exact for r in parts] == [False, True, True, True] and not whole.exact
+    t = mxfp4_to_nvfp4(blocks, scales, global_log2=log2)
+    assert t.weight_scale_2.shape == () and torch.equal(nvfp4_decode(*t)[1:], mxfp4_decode(blocks, scales)[1:])
+    assert codecs.mxfp4_global_log2(torch.zeros(2, 3, 1, 16, dtype=torch.uint8), torch.zeros(2, 3, 1, dtype=torch.uint8)) == -126
+
+
 # ----------------------------------------------------------------------------------------------
 # bad input
 

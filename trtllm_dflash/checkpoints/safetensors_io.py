@@ -32,7 +32,8 @@ from trtllm_dflash.errors import InputError
 from .hf import INDEX_FILE, SINGLE_FILE, index_weight_map, safetensors_files
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # same sanity limit the safetensors library applies
 COPY_BUFFER_BYTES = 16 * 2**20  # buffered-copy fallback granularity
-MAX_PENDING_COPIES = 4  # file-range copies queued behind the one running, per writer
+MAX_PENDING_COPIES = 4  # file-range copies / background writes queued behind the one running, per writer
+BACKGROUND_WRITE_BYTES = 2**20  # smaller tensor pieces are written in the caller's thread
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -208,7 +209,8 @@ class StreamingShardWriter:
 
     :class:`FileRange` pieces are copied by one background thread (the kernel copy releases the
     GIL), so copying overlaps whatever computes the next pieces; at most ``MAX_PENDING_COPIES``
-    wait, and :meth:`close` (or the next write) re-raises a failed copy.
+    wait, and :meth:`close` (or the next write) re-raises a failed copy. Tensor pieces written with
+    ``background=True`` go through the same thread (``pwrite`` releases the GIL too).
     """
 
     def __init__(self, path: str | Path, infos: Sequence[TensorInfo], metadata: dict[str, str] | None = None):
@@ -235,10 +237,11 @@ class StreamingShardWriter:
         os.write(self._fd, struct.pack("<Q", len(encoded)) + encoded)
         os.ftruncate(self._fd, self._data_start + position)
 
-    def write(self, name: str, piece: torch.Tensor | FileRange) -> int:
+    def write(self, name: str, piece: torch.Tensor | FileRange, background: bool = False) -> int:
         """Append ``piece`` (the next bytes of tensor ``name``); returns bytes written.
 
-        A tensor is written with one ``pwrite`` of its contiguous bytes; a :class:`FileRange` is
+        A tensor is written with one ``pwrite`` of its contiguous bytes, in the background with
+        ``background=True`` (then the caller must not modify it afterwards); a :class:`FileRange` is
         copied from its file by the kernel without passing through Python, in the background.
         """
         nbytes = piece.nbytes if isinstance(piece, FileRange) else piece.numel() * piece.element_size()
@@ -246,15 +249,22 @@ class StreamingShardWriter:
             raise ValueError(f"{self.path.name}: piece overruns tensor {name}")
         position = self._data_start + self._offset[name]
         if isinstance(piece, FileRange):
-            while self._copies and (self._copies[0].done() or len(self._copies) > MAX_PENDING_COPIES):
-                self._copies.popleft().result()  # re-raises a failed copy
-            if self._copier is None:
-                self._copier = ThreadPoolExecutor(1, thread_name_prefix="shard-copy")
-            self._copies.append(self._copier.submit(copy_range, piece, self._fd, position))
+            self._submit(copy_range, piece, self._fd, position)
         else:
-            _pwrite_all(self._fd, memoryview(piece.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()), position)
+            data = memoryview(piece.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+            if background and nbytes >= BACKGROUND_WRITE_BYTES:
+                self._submit(_pwrite_all, self._fd, data, position)  # ``data`` keeps the buffer alive
+            else:
+                _pwrite_all(self._fd, data, position)
         self._offset[name] += nbytes
         return nbytes
+
+    def _submit(self, fn, *args) -> None:
+        while self._copies and (self._copies[0].done() or len(self._copies) > MAX_PENDING_COPIES):
+            self._copies.popleft().result()  # re-raises a failed copy or write
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="shard-copy")
+        self._copies.append(self._copier.submit(fn, *args))
 
     def _finish_copies(self, raise_errors: bool) -> None:
         """Wait for every queued copy (the file descriptor must outlive them); maybe re-raise the first error."""

@@ -61,6 +61,9 @@ class BuildOptions:
     force: bool = False
     draft_len_schedule: dict[int, int] | None = None  # from `dflash-bench` (`--schedule-from`)
     trt_drafter: bool = False  # also write drafter_trt/ (ONNX with plugin nodes; engine where possible)
+    # JSON {logical weight name: activation amax} for the target's static input scales (NVFP4 gpt-oss
+    # experts need them); None: calibrate the target on CALIBRATION_PROMPTS when the recipe needs it
+    input_amax_file: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,8 @@ def plan_build(options: BuildOptions) -> BuildPlan:
     pair = validate_pair(options.target_dir, options.drafter_dir)
     if options.quant != KEEP:
         check_convertible(pair.target_dir)
+    if options.input_amax_file is not None:
+        read_input_amax(options.input_amax_file)
     llm_options = render_options(profile, pair, options, profile_file)
     spec = llm_options.speculative_config
     checks.check_draft_len(spec.max_draft_len, pair)
@@ -125,6 +130,15 @@ def check_convertible(target_dir: Path) -> None:
     from ..quant.convert import check_source
 
     check_source(target_dir, read_json(target_dir / "config.json"))
+
+
+def read_input_amax(path: Path) -> dict[str, float]:
+    """`--input-amax`-style JSON: an object of logical weight name -> positive finite amax."""
+    data = read_json(Path(path))
+    if not isinstance(data, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in data.items()):
+        raise InputError("expected a JSON object of weight name -> amax (number).", path=path)
+    return {k: float(v) for k, v in data.items()}
 
 
 def render_options(profile: Profile, pair: Pair, options: BuildOptions, profile_file: Path) -> LlmApiOptions:
@@ -263,10 +277,66 @@ def copy_checkpoint(src: Path, dst: Path, root: Path, progress: Progress) -> dic
             for f in source_files(src)}
 
 
-def convert(src: Path, dst: Path, recipe: str, kv_cache_dtype: str, show_progress: bool) -> None:
-    from ..quant.convert import convert_checkpoint
+# Calibration text for the target's static activation scales (NVFP4 gpt-oss experts need them):
+# a few varied registers, enough for every layer's experts to see typical hidden-state magnitudes.
+CALIBRATION_PROMPTS = (
+    "Explain, step by step, why the sum of the first n odd numbers is n squared.",
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
+    "Write a short, friendly email asking a colleague to review a pull request by Friday.",
+    "Summarize the causes of the French Revolution in three bullet points.",
+    "Translate into German: The weather is lovely today, so we will eat outside.",
+    "SELECT name, COUNT(*) FROM orders GROUP BY name HAVING COUNT(*) > 10 ORDER BY 2 DESC;",
+    "What is 17 * 23? Show your reasoning, then give the answer on its own line.",
+    "Once upon a time, in a village between two rivers, there lived a clockmaker who",
+)
 
-    convert_checkpoint(src, dst, recipe, kv_cache_dtype=kv_cache_dtype, progress=show_progress)
+
+def calibration_token_ids(target_dir: Path, vocab_size: int) -> list[list[int]]:
+    """CALIBRATION_PROMPTS through the target's tokenizer; without one, fixed ids across the vocab."""
+    from ..prompts import load_tokenizer
+
+    if (target_dir / "tokenizer.json").is_file() or (target_dir / "tokenizer_config.json").is_file():
+        tokenizer = load_tokenizer(target_dir)
+        ids = [[t for t in tokenizer.encode(text) if t < vocab_size] for text in CALIBRATION_PROMPTS]
+        if all(ids):
+            return ids
+    return [[(7919 * (i * 64 + j) + 13) % vocab_size for j in range(64)] for i in range(len(CALIBRATION_PROMPTS))]
+
+
+def calibrate_target(target_dir: Path, recipe: str) -> dict[str, float]:
+    """Input amax of the target's quantized weights from a prefill of CALIBRATION_PROMPTS in the
+    reference model (transformers, experts dequantized: CPU fp32, or CUDA bf16 when available).
+    For gpt-oss-120b that needs the dequantized model in memory; pass `input_amax_file` instead."""
+    import torch
+
+    from ..checkpoints.gpt_oss import load_hf_gpt_oss
+    from ..quant.calibrate import calibrate, for_recipe
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_hf_gpt_oss(target_dir, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    prompts = calibration_token_ids(target_dir, model.config.vocab_size)
+
+    def run() -> None:
+        with torch.no_grad():
+            for ids in prompts:
+                model(torch.tensor([ids], device=device))
+
+    return for_recipe(calibrate([model], run), recipe, model_type="gpt_oss")
+
+
+def convert(src: Path, dst: Path, recipe: str, kv_cache_dtype: str, show_progress: bool,
+            input_amax_file: Path | None = None) -> None:
+    """Convert one checkpoint. The target loader's required input scales (NVFP4 gpt-oss experts)
+    come from `input_amax_file` or, without one, from calibrating the target here."""
+    from ..quant.convert import convert_checkpoint, needs_input_amax
+
+    required = needs_input_amax(src, recipe)
+    amax = None
+    if input_amax_file is not None:
+        amax = read_input_amax(input_amax_file)
+    elif required:
+        amax = calibrate_target(src, recipe)
+    convert_checkpoint(src, dst, recipe, kv_cache_dtype=kv_cache_dtype, input_amax=amax, progress=show_progress)
 
 
 def write_normalized_drafter(pair: Pair, dst: Path) -> None:
@@ -332,9 +402,11 @@ def build_engine(options: BuildOptions, show_progress: bool = True, log: Callabl
     records = records_dir(output)
     with progress_bar(show_progress) as progress:
         runner = StageRunner(work, records, progress)
-        runner.run(TARGET, [version, options.quant, kv, sources[TARGET]], TARGET,
+        amax_key = (None if options.input_amax_file is None
+                    else read_input_amax(options.input_amax_file))
+        runner.run(TARGET, [version, options.quant, kv, sources[TARGET], amax_key], TARGET,
                    lambda dst: copy_checkpoint(plan.pair.target_dir, dst, work, progress) if options.quant == KEEP
-                   else convert(plan.pair.target_dir, dst, options.quant, kv, show_progress))
+                   else convert(plan.pair.target_dir, dst, options.quant, kv, show_progress, options.input_amax_file))
         runner.run(DRAFTER, [version, options.drafter_quant, kv, sources[DRAFTER]], DRAFTER,
                    lambda dst: build_drafter(plan.pair, dst, options.drafter_quant, kv, show_progress))
         if options.trt_drafter:

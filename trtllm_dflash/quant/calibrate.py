@@ -67,8 +67,12 @@ def calibrate(roots: Iterable[nn.Module], run: Callable[[], object]) -> dict[str
     return amax
 
 
-def for_recipe(amax: dict[str, float], recipe: str) -> dict[str, float]:
-    """The entries the recipe quantizes (FP8 / NVFP4) with a usable amax; the rest stay unscaled."""
-    chosen = get_recipe(recipe)
+def for_recipe(amax: dict[str, float], recipe: str, model_type: str | None = None) -> dict[str, float]:
+    """The entries the recipe quantizes (FP8 / NVFP4) with a usable amax; the rest stay unscaled.
+
+    ``model_type="gpt_oss"`` selects the gpt-oss target's variant of the recipe (what
+    ``convert_checkpoint`` applies to a gpt-oss source); ``None`` the generic one (drafter).
+    """
+    chosen = get_recipe(recipe, model_type)
     return {name: value for name, value in amax.items()
             if chosen.format_for(name) in (Format.FP8, Format.NVFP4) and value > 0}

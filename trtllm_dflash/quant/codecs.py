@@ -288,35 +288,70 @@ class MXFP4Rescale(NamedTuple):
 _NIBBLE_MAGNITUDES = 0x7777777777777777  # the 3 magnitude bits of each of 16 nibbles in a word
 
 
+def _is_cpu_uint8(blocks: torch.Tensor, scales: torch.Tensor) -> bool:
+    return blocks.device.type == "cpu" and scales.device.type == "cpu" and scales.dtype == torch.uint8
+
+
+def mxfp4_global_log2(blocks: torch.Tensor, scales: torch.Tensor, *, name: str = "tensor", path: str | None = None) -> int:
+    """``log2`` of the power-of-two NVFP4 global scale :func:`mxfp4_to_nvfp4` picks for the WHOLE
+    tensor (one scalar): ``emax - 8``, ``emax`` the largest non-zero block exponent, floored at -126.
+
+    Computed chunk by chunk, the maximum of the per-chunk values is the value for the whole tensor
+    (the rule is monotonic in ``emax``), which is how the converter gets one global per fused tensor.
+    """
+    if _is_cpu_uint8(blocks, scales):
+        s = scales.contiguous().numpy()
+        if bool((s == 255).any()):
+            _require_e8m0_finite(scales, name, path)
+        words = blocks.contiguous().numpy().reshape(-1, 2, 8).view(np.uint64)[..., 0]
+        nonzero = ((words[:, 0] | words[:, 1]) & np.uint64(_NIBBLE_MAGNITUDES)).astype(bool)
+        emax = int((s.reshape(-1) * nonzero).max(initial=0)) - E8M0_BIAS
+    else:
+        _require_e8m0_finite(scales, name, path)
+        words = blocks.contiguous().view(torch.int64)
+        nonzero = ((words[..., 0] | words[..., 1]) & _NIBBLE_MAGNITUDES) != 0
+        emax = int((scales * nonzero).max()) - E8M0_BIAS if scales.numel() else -E8M0_BIAS
+    return min(max(emax - 8, -126), 127)
+
+
 def mxfp4_to_nvfp4_scales(
     blocks: torch.Tensor,
     scales: torch.Tensor,
     *,
     scale_dims: int = 0,
+    global_log2: int | None = None,
     name: str = "tensor",
     path: str | None = None,
 ) -> MXFP4Rescale:
     """The scale half of :func:`mxfp4_to_nvfp4`: byte arithmetic on E8M0 scales, no FP4 decode.
 
+    ``global_log2`` (from :func:`mxfp4_global_log2` over a larger tensor) fixes one scalar global
+    scale ``2**global_log2`` instead of deriving it per ``scale_dims`` group from these blocks.
+
     CPU tensors go through numpy (one 256-entry lookup per global-scale group, no int64
     temporaries: ~50x faster than the torch ops on a loaded 2-core host); other devices use torch.
     Both give identical bytes (tested).
     """
-    if blocks.device.type == "cpu" and scales.device.type == "cpu" and scales.dtype == torch.uint8:
+    if global_log2 is not None:
+        scale_dims = 0
+    if _is_cpu_uint8(blocks, scales):
         if bool((scales.contiguous().numpy() == 255).any()):
             _require_e8m0_finite(scales, name, path)  # raises, naming the first NaN scale
-        return _rescale_numpy(blocks, scales, scale_dims)
+        return _rescale_numpy(blocks, scales, scale_dims, global_log2)
     _require_e8m0_finite(scales, name, path)
-    return _rescale_torch(blocks, scales, scale_dims)
+    return _rescale_torch(blocks, scales, scale_dims, global_log2)
 
 
-def _rescale_torch(blocks: torch.Tensor, scales: torch.Tensor, scale_dims: int) -> MXFP4Rescale:
+def _rescale_torch(blocks: torch.Tensor, scales: torch.Tensor, scale_dims: int, global_log2: int | None = None) -> MXFP4Rescale:
     # a block is non-zero if any nibble has magnitude bits set; test 16 bytes as two int64 words
     words = blocks.contiguous().view(torch.int64)
     nonzero = ((words[..., 0] | words[..., 1]) & _NIBBLE_MAGNITUDES) != 0
     # Everything below is byte arithmetic on E8M0 scale bytes s: exponent e = s - 127.
-    emax = (scales * nonzero).reshape(scales.shape[:scale_dims] + (-1,)).amax(dim=-1).to(torch.int64) - E8M0_BIAS
-    log2_g = (emax - 8).clamp(-126, 127)  # floor at 2**-126, like nvfp4_encode
+    if global_log2 is None:
+        emax = (scales * nonzero).reshape(scales.shape[:scale_dims] + (-1,)).amax(dim=-1).to(torch.int64) - E8M0_BIAS
+        log2_g = (emax - 8).clamp(-126, 127)  # floor at 2**-126, like nvfp4_encode
+    else:
+        log2_g = torch.tensor(global_log2, dtype=torch.int64, device=scales.device)
     # rel = e - log2_g, looked up (offset by 256 to be non-negative) in a table of E4M3 bytes of 2**rel
     index = scales.to(torch.int64) - _expand_scale(log2_g + E8M0_BIAS - 256, scales.dim())
     e4m3 = torch.take(_pow2_e4m3_table(blocks.device), index.clamp(0, 264)) * nonzero  # clamp: all-zero blocks
@@ -325,7 +360,7 @@ def _rescale_torch(blocks: torch.Tensor, scales: torch.Tensor, scale_dims: int) 
     return MXFP4Rescale(weight_scale.view(torch.float8_e4m3fn), pow2(log2_g), out_of_range, not bool(out_of_range.any()))
 
 
-def _rescale_numpy(blocks: torch.Tensor, scales: torch.Tensor, scale_dims: int) -> MXFP4Rescale:
+def _rescale_numpy(blocks: torch.Tensor, scales: torch.Tensor, scale_dims: int, global_log2: int | None = None) -> MXFP4Rescale:
     """Same bytes as :func:`_rescale_torch`, in numpy on uint8 arrays."""
     s = scales.contiguous().numpy()
     words = blocks.contiguous().numpy().reshape(-1, 2, 8).view(np.uint64)[..., 0]  # [blocks, 2]
@@ -333,11 +368,14 @@ def _rescale_numpy(blocks: torch.Tensor, scales: torch.Tensor, scale_dims: int) 
     lead = s.shape[:scale_dims]
     groups = math.prod(lead)
     s_g, nonzero_g = s.reshape(groups, -1), nonzero.reshape(groups, -1)
-    if s_g.shape[1] == 0:  # no blocks: emax of an empty group is undefined; same as all-zero
-        emax = np.full(groups, -E8M0_BIAS, dtype=np.int64)
+    if global_log2 is not None:
+        log2_g = np.full(groups, global_log2, dtype=np.int64)
     else:
-        emax = (s_g * nonzero_g).max(axis=1).astype(np.int64) - E8M0_BIAS
-    log2_g = np.clip(emax - 8, -126, 127)
+        if s_g.shape[1] == 0:  # no blocks: emax of an empty group is undefined; same as all-zero
+            emax = np.full(groups, -E8M0_BIAS, dtype=np.int64)
+        else:
+            emax = (s_g * nonzero_g).max(axis=1).astype(np.int64) - E8M0_BIAS
+        log2_g = np.clip(emax - 8, -126, 127)
     # per group, the E4M3 byte of 2**(s - 127 - log2_g) for every scale byte s (0 = not representable)
     luts = _POW2_E4M3_TABLE[np.clip(np.arange(256)[None, :] - (log2_g + E8M0_BIAS - 256)[:, None], 0, 264)]
     if groups <= 64:
@@ -365,19 +403,22 @@ def mxfp4_to_nvfp4(
     scales: torch.Tensor,
     *,
     scale_dims: int = 0,
+    global_log2: int | None = None,
     name: str = "tensor",
     path: str | None = None,
 ) -> NVFP4Tensor:
     """Re-express MXFP4 ``(blocks, scales)`` as NVFP4, exactly where the formats overlap.
 
     An MXFP4 block is ``codes * 2**e``. With a power-of-two global scale ``2**(emax - 8)`` (``emax``
-    = largest non-zero block exponent in the ``scale_dims`` group), each 16-half gets block scale
-    ``2**(e - emax + 8)``, an exact E4M3 value for ``e >= emax - 17``, and keeps its codes
-    unchanged: zero error, and no decode on the hot path. Blocks further below ``emax`` (beyond
-    E4M3's range) are decoded exactly and re-encoded with :func:`nvfp4_encode` under the same
-    global scale, so they obey its error bound.
+    = largest non-zero block exponent in the ``scale_dims`` group, or ``2**global_log2`` when given:
+    see :func:`mxfp4_global_log2`), each 16-half gets block scale ``2**(e - emax + 8)``, an exact
+    E4M3 value for ``e >= emax - 17``, and keeps its codes unchanged: zero error, and no decode on
+    the hot path. Blocks further below ``emax`` (beyond E4M3's range) are decoded exactly and
+    re-encoded with :func:`nvfp4_encode` under the same global scale, so they obey its error bound.
     """
-    rescale = mxfp4_to_nvfp4_scales(blocks, scales, scale_dims=scale_dims, name=name, path=path)
+    if global_log2 is not None:
+        scale_dims = 0
+    rescale = mxfp4_to_nvfp4_scales(blocks, scales, scale_dims=scale_dims, global_log2=global_log2, name=name, path=path)
     weight = blocks.flatten(-2)  # same nibble order: 32 codes = 16 bytes = two 8-byte NVFP4 halves
     weight_scale, global_scale = rescale.weight_scale.view(torch.uint8), rescale.weight_scale_2
     if not rescale.exact:

@@ -7,23 +7,31 @@ reads: each quantized weight keeps its name and gains siblings
   ``X.weight_scale`` (fp32 [] | e4m3 [out, in/16]), ``X.weight_scale_2`` (fp32 [], NVFP4),
   ``X.input_scale`` (fp32 [], only when calibration amax is given);
 * gpt-oss experts ``...mlp.experts.gate_up_proj`` / ``down_proj``: the same siblings joined with
-  ``_`` (``gate_up_proj_weight_scale``, ``..._weight_scale_2``, ``..._input_scale``, the naming
-  TensorRT-LLM's fused-gate-up MoE loader looks up). Quantized experts are stored ``[E, out, in]``
-  (blocks along the contracted input dim, like the source ``*_blocks``), with one global scale per
-  expert (``weight_scale`` / ``weight_scale_2`` of shape [E]); gate/up rows stay interleaved as in
-  the source. bf16 experts use the transformers layout ``[E, in, out]``.
+  ``_`` (``gate_up_proj_weight_scale``, ``..._weight_scale_2``, ``..._input_scale``). Experts are
+  stored in the transformers orientation ``[E, in, out]`` whatever their format, because that is
+  what TensorRT-LLM's gpt-oss NVFP4 loader (``modeling_gpt_oss.load_nvfp4_weights``, after 1.1.0)
+  reads: NVFP4 ``X`` uint8 ``[E, in/2, out]`` (two FP4 codes per byte along the INPUT dim, low
+  nibble = even input element), ``X_weight_scale`` e4m3 ``[E, in/16, out]``, and ONE fp32 scalar
+  ``X_weight_scale_2`` and ``X_input_scale`` per fused tensor (it ``.reshape([])``s them). The
+  input scales are required there, so NVFP4 experts are refused without calibrated amax.
+  gate/up columns stay interleaved (gate even, up odd) on the last dim, as the loader
+  deinterleaves them. bf16 experts use the same ``[E, in, out]`` layout.
 
 Memory stays flat in the number of layers: tensors are read slice by slice, experts are processed
-a few experts at a time, and every piece is written straight to its final offset in its shard
-(whose layout is computed up front). Everything goes to a temporary sibling directory that is
-renamed into place at the end, so a failure never leaves a half-written checkpoint.
+a few experts at a time (one at gpt-oss-120b size), and every piece is written straight to its final
+offset in its shard (whose layout is computed up front). A tensor-wide global scale takes a first,
+cheap pass over the tensor (MXFP4: scale bytes and a zero-block scan; otherwise the amax) before
+the encoding pass. Everything goes to a temporary sibling directory that is renamed into place at
+the end, so a failure never leaves a half-written checkpoint.
 
-Bytes that come out unchanged are never copied through Python: pass-through tensors (bf16 kept
-as is, MXFP4 kept by the ``mxfp4`` recipe) and the FP4 codes of MXFP4 experts re-expressed as
-NVFP4 (identical bytes: ``[E, out, in/32, 16]`` blocks are ``[E, out, in/2]`` in the same order)
-are copied shard to shard by the kernel (:func:`~trtllm_dflash.checkpoints.safetensors_io.copy_range`);
-only the scale tensors are computed. A chunk of experts with a block scale E4M3 cannot hold falls
-back to the computed path (:func:`~trtllm_dflash.quant.codecs.mxfp4_to_nvfp4`).
+Pass-through tensors (bf16 kept as is, MXFP4 kept by the ``mxfp4`` recipe) are copied shard to shard
+by the kernel (:func:`~trtllm_dflash.checkpoints.safetensors_io.copy_range`), never through Python.
+MXFP4 experts re-expressed as NVFP4 keep their FP4 codes: the ``[E, out, in/32, 16]`` source bytes
+are ``[E, out, in/2]`` in NVFP4 order and only need a uint8 transpose per expert to become
+``[E, in/2, out]`` (each byte holds two neighbouring input elements, so bytes are moved, not
+changed); only the scale tensors are computed. A chunk of experts with a block scale E4M3 cannot
+hold under the layer-wide global scale falls back to the computed path
+(:func:`~trtllm_dflash.quant.codecs.mxfp4_to_nvfp4`).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
 
+import numpy as np
 import torch
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
@@ -62,16 +71,19 @@ from trtllm_dflash.quant.codecs import (
     fp8_encode,
     mxfp4_decode,
     mxfp4_encode,
+    mxfp4_global_log2,
     mxfp4_to_nvfp4,
     mxfp4_to_nvfp4_scales,
     nvfp4_decode,
     nvfp4_encode,
+    pow2,
+    require_finite,
 )
-from trtllm_dflash.quant.recipes import EXPERTS, KV_CACHE_ALGOS, Format, get_recipe, quant_configs
+from trtllm_dflash.quant.recipes import EXPERTS, KV_CACHE_ALGOS, Format, get_recipe, is_gpt_oss, quant_configs
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 PIECE_BYTES = 64 * 2**20  # passthrough copy granularity
-COPY_EXACT_FP4 = True  # MXFP4 -> NVFP4: copy unchanged FP4 codes file to file (False: always the computed path)
+COPY_EXACT_FP4 = True  # MXFP4 -> NVFP4: reuse the FP4 code bytes (transposed), no decode (False: always the computed path)
 CHUNK_ELEMENTS = 2**24  # experts decoded/encoded per step: ~64 MiB of fp32 plus temporaries
 SCALE_KINDS = ("weight_scale", "weight_scale_2", "input_scale")
 AUX_FILES = (
@@ -150,7 +162,11 @@ def source_params(reader: ShardedReader) -> list[SourceParam]:
 
 
 def _canonical_shape(reader: ShardedReader, p: SourceParam) -> tuple[int, ...]:
-    """Logical ``[..., out, in]`` shape (experts ``[E, out, in]``) whatever the storage layout."""
+    """Logical ``[..., out, in]`` shape (experts ``[E, out, in]``) whatever the storage layout.
+
+    This is the codecs' working layout (blocks along the last, input, dim); gpt-oss experts are
+    transposed to ``[E, in, out]`` (packed ``[E, in/2, out]``) only when written.
+    """
     shape = reader.infos[p.tensors[0]].shape
     if p.mxfp4:
         return shape[:-2] + (shape[-2] * MXFP4_BLOCK,)
@@ -226,46 +242,121 @@ def _to_mxfp4(reader: ShardedReader, p: SourceParam) -> Job:
     return Job(outputs, pieces)
 
 
+def _input_scale(fmt: Format, input_amax: float) -> torch.Tensor:
+    divisor = E4M3_MAX if fmt is Format.FP8 else E2M1_MAX * E4M3_MAX
+    return torch.tensor(input_amax / divisor, dtype=torch.float32)
+
+
 def _to_scaled(reader: ShardedReader, p: SourceParam, fmt: Format, input_amax: float | None) -> Job:
-    """FP8 or NVFP4 weight + scales (+ input_scale from calibration amax)."""
+    """FP8 or NVFP4 linear weight ``[out, in]`` + scales (+ input_scale from calibration amax)."""
+    if is_expert(p.name):
+        return _experts_to_scaled(reader, p, fmt, input_amax)
     shape = _canonical_shape(reader, p)
     path = str(reader.files[p.tensors[0]])
-    scale_dims = 1 if is_expert(p.name) else 0
-    global_shape = shape[:scale_dims]
     ws, ws2 = scale_name(p.name, "weight_scale"), scale_name(p.name, "weight_scale_2")
     if fmt is Format.FP8:
-        outputs = [TensorInfo(p.name, torch.float8_e4m3fn, shape), TensorInfo(ws, torch.float32, global_shape)]
+        outputs = [TensorInfo(p.name, torch.float8_e4m3fn, shape), TensorInfo(ws, torch.float32, ())]
     else:
         outputs = [
             TensorInfo(p.name, torch.uint8, shape[:-1] + (shape[-1] // 2,)),
             TensorInfo(ws, torch.float8_e4m3fn, shape[:-1] + (shape[-1] // NVFP4_BLOCK,)),
-            TensorInfo(ws2, torch.float32, global_shape),
+            TensorInfo(ws2, torch.float32, ()),
         ]
     if input_amax is not None:
         outputs.append(TensorInfo(scale_name(p.name, "input_scale"), torch.float32, ()))
-    rows = _rows_per_chunk(shape, scale_dims == 1)
-
-    def encoded() -> Iterator[tuple[torch.Tensor | FileRange, ...]]:
-        if fmt is Format.NVFP4 and p.mxfp4:  # exact re-expression, no decode on the fast path
-            for a, b in _row_ranges(shape[0], rows):
-                blocks, scales = reader.read(p.tensors[0], a, b), reader.read(p.tensors[1], a, b)
-                if COPY_EXACT_FP4:
-                    rescale = mxfp4_to_nvfp4_scales(blocks, scales, scale_dims=scale_dims, name=p.name, path=path)
-                    if rescale.exact:  # codes unchanged: copy the source bytes
-                        yield reader.byte_range(p.tensors[0], a, b), rescale.weight_scale, rescale.weight_scale_2
-                        continue
-                yield mxfp4_to_nvfp4(blocks, scales, scale_dims=scale_dims, name=p.name, path=path)
-            return
-        encode = fp8_encode if fmt is Format.FP8 else nvfp4_encode
-        for chunk in _canonical_chunks(reader, p, rows):
-            yield encode(chunk, scale_dims=scale_dims, name=p.name, path=path)
 
     def pieces() -> Iterator[Piece]:
-        for parts in encoded():
-            yield from zip((o.name for o in outputs), parts)
+        encode = fp8_encode if fmt is Format.FP8 else nvfp4_encode
+        for chunk in _canonical_chunks(reader, p, _rows_per_chunk(shape, False)):
+            yield from zip((o.name for o in outputs), encode(chunk, name=p.name, path=path))
         if input_amax is not None:
+            yield outputs[-1].name, _input_scale(fmt, input_amax)
+
+    return Job(outputs, pieces)
+
+
+TRANSPOSE_TILE = (512, 128)  # source rows x columns per numpy tile: ~1.5x faster than one big transpose
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    """``[k, a, b]`` -> contiguous ``[k, b, a]``; uint8 goes through numpy tile by tile (a plain byte
+    transpose that stays in cache: 4 ms for a 5760 x 1440 gpt-oss-120b expert on this host)."""
+    if t.dtype != torch.uint8 or t.device.type != "cpu":
+        return t.transpose(-1, -2).contiguous()
+    src = t.contiguous().numpy()
+    k, rows, cols = src.shape
+    out = np.empty((k, cols, rows), dtype=np.uint8)
+    tr, tc = TRANSPOSE_TILE
+    for i in range(0, rows, tr):
+        for j in range(0, cols, tc):
+            out[:, j:j + tc, i:i + tr] = src[:, i:i + tr, j:j + tc].transpose(0, 2, 1)
+    return torch.from_numpy(out)
+
+
+def _experts_to_scaled(reader: ShardedReader, p: SourceParam, fmt: Format, input_amax: float | None) -> Job:
+    """gpt-oss experts in FP8 or NVFP4, written ``[E, in, out]`` with scalar global scales.
+
+    TensorRT-LLM's gpt-oss NVFP4 loader (``modeling_gpt_oss.load_nvfp4_weights``) reads experts as
+    ``[E, in/2, out]`` codes + ``[E, in/16, out]`` block scales and ``.reshape([])``s
+    ``*_weight_scale_2`` / ``*_input_scale``: one fp32 scalar per fused tensor, not one per expert.
+    So the global scale is computed over all experts first (pass 1), then experts are encoded in the
+    codecs' ``[k, out, in]`` layout chunk by chunk and transposed on the way out (pass 2).
+    (TensorRT-LLM has no FP8 expert path for gpt-oss; FP8 experts follow the same layout and scalar
+    rule but no shipped recipe writes them.)
+    """
+    shape = _canonical_shape(reader, p)  # [E, out, in]
+    e, out, inp = shape
+    path = str(reader.files[p.tensors[0]])
+    ws, ws2 = scale_name(p.name, "weight_scale"), scale_name(p.name, "weight_scale_2")
+    if fmt is Format.FP8:
+        outputs = [TensorInfo(p.name, torch.float8_e4m3fn, (e, inp, out)), TensorInfo(ws, torch.float32, ())]
+    else:
+        outputs = [
+            TensorInfo(p.name, torch.uint8, (e, inp // 2, out)),
+            TensorInfo(ws, torch.float8_e4m3fn, (e, inp // NVFP4_BLOCK, out)),
+            TensorInfo(ws2, torch.float32, ()),
+        ]
+    if input_amax is not None:
+        outputs.append(TensorInfo(scale_name(p.name, "input_scale"), torch.float32, ()))
+    rows = _rows_per_chunk(shape, True)
+    exact = fmt is Format.NVFP4 and p.mxfp4
+
+    def source_chunks() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for a, b in _row_ranges(e, rows):
+            yield reader.read(p.tensors[0], a, b), reader.read(p.tensors[1], a, b)
+
+    def pieces() -> Iterator[Piece]:
+        if exact:  # power-of-two global from the layer-wide largest block exponent: codes stay exact
+            log2 = max((mxfp4_global_log2(bl, sc, name=p.name, path=path) for bl, sc in source_chunks()), default=-126)
+            for blocks, scales in source_chunks():
+                if COPY_EXACT_FP4:
+                    rescale = mxfp4_to_nvfp4_scales(blocks, scales, global_log2=log2, name=p.name, path=path)
+                    if rescale.exact:  # codes unchanged: the source bytes, transposed
+                        yield p.name, _transposed(blocks.flatten(-2))
+                        yield ws, _transposed(rescale.weight_scale.view(torch.uint8)).view(torch.float8_e4m3fn)
+                        continue
+                q = mxfp4_to_nvfp4(blocks, scales, global_log2=log2, name=p.name, path=path)
+                yield p.name, _transposed(q.weight)
+                yield ws, _transposed(q.weight_scale.view(torch.uint8)).view(torch.float8_e4m3fn)
+            yield ws2, pow2(torch.tensor(log2))
+        else:
+            amax = torch.zeros((), dtype=torch.float32)
+            for chunk in _canonical_chunks(reader, p, rows):
+                require_finite(chunk, p.name, path)
+                amax = torch.maximum(amax, chunk.abs().amax() if chunk.numel() else amax)
             divisor = E4M3_MAX if fmt is Format.FP8 else E2M1_MAX * E4M3_MAX
-            yield outputs[-1].name, torch.tensor(input_amax / divisor, dtype=torch.float32)
+            global_scale = (amax / torch.full_like(amax, divisor)).clamp_min(torch.finfo(torch.float32).tiny)
+            for chunk in _canonical_chunks(reader, p, rows):
+                if fmt is Format.FP8:
+                    q = (chunk / global_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+                    yield p.name, q.transpose(-1, -2).contiguous()
+                else:
+                    q = nvfp4_encode(chunk, global_scale=global_scale, name=p.name, path=path)
+                    yield p.name, _transposed(q.weight)
+                    yield ws, _transposed(q.weight_scale.view(torch.uint8)).view(torch.float8_e4m3fn)
+            yield (ws if fmt is Format.FP8 else ws2), global_scale
+        if input_amax is not None:
+            yield outputs[-1].name, _input_scale(fmt, input_amax)
 
     return Job(outputs, pieces)
 
@@ -331,6 +422,38 @@ def _check_amax(input_amax: Mapping[str, float], formats: dict[str, Format]) -> 
             raise InputError(f"amax must be finite and > 0, got {amax}", field=f"input_amax[{name!r}]")
 
 
+def required_input_amax(formats: Mapping[str, Format]) -> list[str]:
+    """Logical names whose ``input_scale`` the target loader cannot do without: NVFP4 gpt-oss experts
+    (TensorRT-LLM's NVFP4 MoE loader reads ``gate_up_proj_input_scale`` / ``down_proj_input_scale``
+    unconditionally and fails with a KeyError when they are absent)."""
+    return sorted(n for n, f in formats.items() if f is Format.NVFP4 and is_expert(n))
+
+
+def needs_input_amax(src: str | Path, recipe: str) -> list[str]:
+    """The logical names :func:`convert_checkpoint` will refuse to convert ``src`` with ``recipe``
+    without an ``input_amax`` entry for (reads only config.json and the safetensors headers)."""
+    src = Path(src)
+    config = _read_json(src / "config.json", "config.json")
+    params = source_params(ShardedReader(src))
+    names = [p.name for p in params]
+    plan = get_recipe(recipe, "gpt_oss" if is_gpt_oss(config, names) else None)
+    return required_input_amax({n: plan.format_for(n) for n in names})
+
+
+def _check_required_amax(input_amax: Mapping[str, float], formats: Mapping[str, Format], recipe: str) -> None:
+    missing = [n for n in required_input_amax(formats) if n not in input_amax]
+    if missing:
+        raise InputError(
+            f"NVFP4 gpt-oss experts need a calibrated input amax for {len(missing)} parameter(s), first "
+            f"{missing[0]!r}: TensorRT-LLM's NVFP4 MoE loader requires {scale_name(missing[0], 'input_scale')!r}. "
+            "Calibrate with trtllm_dflash.quant.calibrate (calibrate([model], run) on a few prompts, then "
+            f"for_recipe(amax, {recipe!r}, model_type='gpt_oss')) and pass the result as input_amax, or let "
+            "dflash-build do it (it calibrates the target on built-in prompts for --quant nvfp4); "
+            "--quant mxfp4 needs no calibration",
+            field=f"input_amax[{missing[0]!r}]",
+        )
+
+
 def _progress(enabled: bool) -> Progress:
     return Progress(
         TextColumn("[bold]{task.description}"),
@@ -352,7 +475,8 @@ def _write_shards(out: Path, jobs: list[Job], max_shard_bytes: int, show_progres
             with StreamingShardWriter(out / file, infos) as writer:
                 for i in members:
                     for name, piece in jobs[i].pieces():
-                        progress.advance(task, writer.write(name, piece))
+                        # pieces are fresh tensors (or file ranges): safe to write in the background
+                        progress.advance(task, writer.write(name, piece, background=True))
             weight_map.update({o.name: file for o in infos})
     return weight_map
 
@@ -398,7 +522,12 @@ def convert_checkpoint(
     ``input_amax``: calibrated activation amax per quantized logical parameter name (e.g.
     ``model.layers.0.self_attn.q_proj.weight``, ``model.layers.0.mlp.experts.gate_up_proj``); each
     becomes an ``input_scale`` of ``amax / 448`` (FP8) or ``amax / (6 * 448)`` (NVFP4). Without it
-    no ``input_scale`` is written (static-activation kernels then need calibration first).
+    no ``input_scale`` is written, except that NVFP4 gpt-oss experts REQUIRE it (InputError
+    otherwise; see :func:`required_input_amax`).
+
+    A gpt-oss source (``model_type == "gpt_oss"`` or any expert tensor) gets the recipe's gpt-oss
+    variant (:func:`~trtllm_dflash.quant.recipes.get_recipe`): ``nvfp4`` = NVFP4 experts, bf16
+    attention, ``quant_algo: NVFP4``; ``fp8`` = FP8 attention, bf16 experts.
     """
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
@@ -411,10 +540,13 @@ def convert_checkpoint(
     check_source(src, config)
     reader = ShardedReader(src)
     params = source_params(reader)
+    if is_gpt_oss(config, [p.name for p in params]):
+        plan = get_recipe(recipe, "gpt_oss")  # experts and attention follow TensorRT-LLM's gpt-oss loader
     formats = {p.name: plan.format_for(p.name) for p in params}
     quantized = {n: f for n, f in formats.items() if f is not Format.BF16}
     amax = dict(input_amax or {})
     _check_amax(amax, quantized)
+    _check_required_amax(amax, quantized, recipe)
     jobs = [plan_job(reader, p, formats[p.name], amax.get(p.name)) for p in params]
     hf_quant, quantization = quant_configs(plan, kv_cache_dtype, quantized, config.get("quantization_config"))
 
@@ -450,8 +582,9 @@ def load_dequantized_state_dict(checkpoint_dir: str | Path, dtype: torch.dtype =
 
     Names are the MXFP4-free HF names, so a converted checkpoint and its source compare key by key
     and load into transformers' ``GptOssForCausalLM`` / the drafter with ``load_state_dict``:
-    quantized linears come back as ``X.weight [out, in]``; experts (MXFP4, FP8 or NVFP4) come back
-    as ``...experts.gate_up_proj`` / ``down_proj`` in transformers' ``[E, in, out]`` layout. Scale
+    quantized linears come back as ``X.weight [out, in]``; experts (MXFP4 ``[E, out, in/32, 16]``,
+    or FP8 / NVFP4 stored ``[E, in(/2), out]``) come back as ``...experts.gate_up_proj`` /
+    ``down_proj`` in transformers' ``[E, in, out]`` layout. Scale
     tensors are consumed; non-float tensors are returned unchanged.
     """
     reader = ShardedReader(checkpoint_dir)
@@ -466,11 +599,17 @@ def load_dequantized_state_dict(checkpoint_dir: str | Path, dtype: torch.dtype =
             base = name.removesuffix("_blocks")
             weight = mxfp4_decode(reader.read(name), reader.read(base + "_scales"), name=base, path=path)
         elif scale_name(name, "weight_scale") in names:
-            base, q, ws = name, reader.read(name), reader.read(scale_name(name, "weight_scale"))
+            q, ws = reader.read(name), reader.read(scale_name(name, "weight_scale"))
             if q.dtype == torch.uint8:
-                weight = nvfp4_decode(q, ws, reader.read(scale_name(name, "weight_scale_2")))
+                ws2 = reader.read(scale_name(name, "weight_scale_2"))
+                if is_expert(name):  # stored [E, in/2, out] / [E, in/16, out]: decode as [E, out, in], back to [E, in, out]
+                    weight = nvfp4_decode(q.transpose(-1, -2), ws.transpose(-1, -2), ws2).transpose(-1, -2)
+                else:
+                    weight = nvfp4_decode(q, ws, ws2)
             else:
-                weight = fp8_decode(q, ws)
+                weight = fp8_decode(q, ws)  # experts already [E, in, out], scale scalar
+            state[name] = weight.contiguous().to(dtype)
+            continue
         else:
             tensor = reader.read(name)
             state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor

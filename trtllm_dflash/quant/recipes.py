@@ -13,6 +13,21 @@ attention sinks and all biases (tiny tensors added, not multiplied).
 
 TensorRT-LLM reads the result through ``hf_quant_config.json`` (ModelOpt unified HF format) or,
 for native MXFP4, through ``config.json``'s ``quantization_config`` (see :func:`quant_configs`).
+
+The gpt-oss TARGET gets its own variants of ``fp8`` and ``nvfp4`` (:data:`GPT_OSS_RECIPES`, chosen
+by ``get_recipe(name, "gpt_oss")``) because TensorRT-LLM's ``GptOssForCausalLM`` ignores per-layer
+``MIXED_PRECISION`` configs, forces attention to bf16 under NVFP4, and has no FP8 expert path:
+
+* ``nvfp4`` on gpt-oss: NVFP4 experts only, attention bf16; ``quant_algo: "NVFP4"``,
+  ``group_size: 16``, attention listed in ``exclude_modules``, no ``quantized_layers``. The NVFP4
+  MoE loader also needs ``*_input_scale``: the converter refuses to run without calibrated amax.
+* ``fp8`` on gpt-oss: FP8 attention, experts bf16 (excluded as ``*mlp.experts*``);
+  ``quant_algo: "FP8"``. Not verified against a TensorRT-LLM loader (there is no gpt-oss FP8
+  checkpoint to compare with). MXFP4 experts are dequantized to bf16, so the checkpoint is about
+  4x the size of the native one; for quantized experts use ``mxfp4`` or ``nvfp4``.
+
+The DFlash DRAFTER (Qwen3-like dense layers, loaded by TensorRT-LLM's generic linear path) keeps the
+generic recipes: ``nvfp4`` = NVFP4 MLP + FP8 attention and ``fc`` as ``MIXED_PRECISION``.
 """
 
 from __future__ import annotations
@@ -28,7 +43,7 @@ class Format(str, Enum):
     """Storage format of one weight."""
 
     BF16 = "bf16"  # unquantized: floats are copied, MXFP4 sources are dequantized to bf16
-    FP8 = "fp8"  # float8_e4m3fn + fp32 per-tensor (per-expert) weight_scale
+    FP8 = "fp8"  # float8_e4m3fn + fp32 per-tensor weight_scale
     NVFP4 = "nvfp4"  # packed E2M1 + E4M3 per-16 weight_scale + fp32 weight_scale_2
     MXFP4 = "mxfp4"  # gpt-oss *_blocks / *_scales (E2M1 + E8M0 per 32)
 
@@ -66,6 +81,7 @@ class Recipe:
     summary: str
     rules: tuple[tuple[tuple[str, ...], Format], ...]
     trtllm_quant_algo: str | None
+    exclude_modules: tuple[str, ...] = ()  # listed in hf_quant_config.json on top of EXCLUDE_MODULES
 
     def format_for(self, param: str) -> Format:
         """Format for logical parameter ``param`` (unmatched names stay unquantized)."""
@@ -92,15 +108,16 @@ RECIPES: dict[str, Recipe] = {
         ),
         Recipe(
             "fp8",
-            "FP8 E4M3 weights, per-tensor scales (per-expert for MoE) for experts, attention, drafter MLP and fc",
-            ((EXPERTS + ATTENTION + DENSE_MLP + DRAFTER_FC, Format.FP8),),
+            "FP8 E4M3 weights with per-tensor scales for attention, drafter MLP and fc "
+            "(gpt-oss experts stay bf16: see GPT_OSS_RECIPES)",
+            ((ATTENTION + DENSE_MLP + DRAFTER_FC, Format.FP8),),
             "FP8",
         ),
         Recipe(
             "nvfp4",
-            "NVFP4 experts (re-expressed exactly from MXFP4 where E4M3 range allows) and drafter MLP; "
-            "FP8 attention and fc. Written as MIXED_PRECISION with per-module quantized_layers.",
-            ((EXPERTS + DENSE_MLP, Format.NVFP4), (ATTENTION + DRAFTER_FC, Format.FP8)),
+            "drafter: NVFP4 MLP, FP8 attention and fc, written as MIXED_PRECISION with per-module "
+            "quantized_layers (a gpt-oss target gets GPT_OSS_RECIPES['nvfp4'] instead)",
+            ((DENSE_MLP, Format.NVFP4), (ATTENTION + DRAFTER_FC, Format.FP8)),
             "MIXED_PRECISION",
         ),
         Recipe(
@@ -114,12 +131,48 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
-def get_recipe(name: str) -> Recipe:
-    """Look up a recipe by name; ValueError lists the valid names (the CLI maps it to a usage error)."""
+# The gpt-oss target's variants (see the module docstring): what TensorRT-LLM's GptOssForCausalLM
+# actually loads. Attention is excluded under NVFP4 under both its HF (self_attn) and TensorRT-LLM
+# (attn) module names; TensorRT-LLM forces it to bf16 anyway.
+GPT_OSS_RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe(
+            "fp8",
+            "gpt-oss: FP8 E4M3 attention (per-tensor scales), experts kept bf16 (TensorRT-LLM has no FP8 "
+            "expert path for gpt-oss); unverified against a TensorRT-LLM loader",
+            ((ATTENTION, Format.FP8),),
+            "FP8",
+            ("*mlp.experts*",),
+        ),
+        Recipe(
+            "nvfp4",
+            "gpt-oss: NVFP4 experts only (re-expressed exactly from MXFP4 where E4M3 range allows), "
+            "[E, in/2, out] with scalar global and input scales (calibration required); attention bf16. "
+            "Written as quant_algo NVFP4, group_size 16.",
+            ((EXPERTS, Format.NVFP4),),
+            "NVFP4",
+            ("*self_attn*", "*.attn", "*.attn.*"),
+        ),
+    )
+}
+
+
+def get_recipe(name: str, model_type: str | None = None) -> Recipe:
+    """Look up a recipe by name, in its gpt-oss variant for ``model_type == "gpt_oss"``; ValueError
+    lists the valid names (the CLI maps it to a usage error)."""
     try:
-        return RECIPES[name]
+        recipe = RECIPES[name]
     except KeyError:
         raise ValueError(f"unknown quantization recipe {name!r}; choose one of {sorted(RECIPES)}") from None
+    return GPT_OSS_RECIPES.get(name, recipe) if model_type == "gpt_oss" else recipe
+
+
+def is_gpt_oss(config: dict, param_names: list[str] | None = None) -> bool:
+    """A gpt-oss target: its config says so, or it has gpt-oss expert tensors."""
+    if config.get("model_type") == "gpt_oss" or "GptOssForCausalLM" in (config.get("architectures") or []):
+        return True
+    return any(_matches(n, EXPERTS) for n in param_names or ())
 
 
 def module_of(param: str) -> str:
@@ -148,8 +201,10 @@ def quant_configs(
     quantization: dict = {
         "quant_algo": recipe.trtllm_quant_algo,
         "kv_cache_quant_algo": kv_algo,
-        "exclude_modules": list(EXCLUDE_MODULES),
+        "exclude_modules": list(EXCLUDE_MODULES) + list(recipe.exclude_modules),
     }
+    if recipe.trtllm_quant_algo == "NVFP4":
+        quantization["group_size"] = NVFP4_GROUP_SIZE
     if recipe.trtllm_quant_algo == "MIXED_PRECISION":
         quantization["quantized_layers"] = _quantized_layers(formats)
     producer = {"name": "trtllm_dflash", "version": trtllm_dflash.__version__}
