@@ -171,10 +171,13 @@ def test_ctrl_c_prints_statistics_and_exits_130(tiny_pair):
 
     target, drafter = tiny_pair
     code = "from trtllm_dflash.cli.run import main; main()"
+    # A suite started in the background by a non-interactive shell inherits SIGINT ignored, and Python
+    # then keeps it ignored: restore the default so the child behaves as in a terminal.
     proc = subprocess.Popen([sys.executable, "-u", "-c", code, "--target", str(target), "--drafter", str(drafter),
                              "--prompt", "stream me", "--max-tokens", "100000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = ""
     deadline = time.time() + 60
     while "stream me" not in seen and time.time() < deadline:  # the prompt header precedes streamed tokens
