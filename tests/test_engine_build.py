@@ -163,3 +163,17 @@ def test_nvfp4_target_build_calibrates_input_scales(tiny_pair, tmp_path):
                                       input_amax_file=tmp_path / "amax.json"), show_progress=False, log=lambda _: None)
     scale = ShardedReader(built.engine.target_dir).read("model.layers.0.mlp.experts.down_proj_input_scale")
     assert float(scale) == pytest.approx(3.0 / (6 * 448))
+
+
+def test_default_engine_cache_follows_the_pair_content(tiny_pair, tmp_path, monkeypatch):
+    """A re-shipped embedded pair (same toolkit version) must not reuse the old cached engine."""
+    from trtllm_dflash.engine.build import default_engine_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    target, drafter = (shutil.copytree(d, tmp_path / d.name) for d in tiny_pair)
+    first = default_engine_dir((target, drafter))
+    assert first.parent == tmp_path / "cache" / "trtllm-dflash"
+    assert default_engine_dir((target, drafter)) == first
+    config = drafter / "config.json"
+    config.write_text(config.read_text() + "\n")
+    assert default_engine_dir((target, drafter)) != first

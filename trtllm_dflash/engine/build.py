@@ -497,10 +497,16 @@ def publish_triton_repo(repo: Path, engine_root: Path, options: LlmApiOptions) -
     return repo
 
 
-def default_engine_dir() -> Path:
-    """Where the embedded pair's engine is built once: the user cache, per toolkit version."""
+def default_engine_dir(pair: tuple[Path, Path]) -> Path:
+    """Where the embedded pair's engine is built once: the user cache, keyed by toolkit version and
+    by the pair's content, so a re-shipped pair gets a fresh engine instead of a stale cached one."""
+    digest = hashlib.sha256()
+    for directory in pair:
+        for file in sorted(p for p in directory.rglob("*") if p.is_file()):
+            digest.update(file.relative_to(directory).as_posix().encode())
+            digest.update(file.read_bytes())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "trtllm-dflash" / f"embedded-engine-{trtllm_dflash.__version__}"
+    return cache / "trtllm-dflash" / f"embedded-engine-{trtllm_dflash.__version__}-{digest.hexdigest()[:12]}"
 
 
 def default_engine(log: Callable[[str], None] = print) -> Engine:
@@ -508,7 +514,7 @@ def default_engine(log: Callable[[str], None] = print) -> Engine:
     from ..embedded import pair_paths
 
     target_dir, drafter_dir = pair_paths()
-    output = default_engine_dir()
+    output = default_engine_dir((target_dir, drafter_dir))
     try:
         return open_engine(output)
     except InputError:
