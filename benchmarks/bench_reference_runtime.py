@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--dflash-blocks", default="",
+                        help="extra DFlash rows at these block sizes (comma-separated, e.g. 4,6)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -80,10 +82,13 @@ def main() -> None:
     runtimes = {"autoregressive": ReferenceRuntime(target, None),
                 "dflash": ReferenceRuntime(target, DFlashProposer(drafter, target)),
                 "ngram": ReferenceRuntime(target, NGramProposer(num_drafts=block - 1))}
+    for extra in (int(x) for x in args.dflash_blocks.split(",") if x):
+        runtimes[f"dflash-b{extra}"] = ReferenceRuntime(target, DFlashProposer(drafter, target, block_size=extra))
     for runtime in runtimes.values():
         runtime.warm_up(prompts[0])
     rates: dict[str, list[float]] = {name: [] for name in runtimes}
     summary: dict[str, tuple[float, float]] = {}
+    per_position: dict[str, list[float]] = {}
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(args.repeats):
         for name, runtime in runtimes.items():
@@ -93,6 +98,7 @@ def main() -> None:
             rates[name].append(total.decode_tokens_per_s)
             times = runtime.step_times
             summary[name] = (total.acceptance_length, times["draft"] / max(sum(times.values()), 1e-9))
+            per_position[name] = total.per_position_acceptance
             outputs[name] = [r.output_token_ids for r in results]
 
     print(f"pair={label} device={args.device} threads={args.threads} prompts={len(prompts)} "
@@ -104,6 +110,9 @@ def main() -> None:
         tau, share = summary[name]
         print(f"{name:<16}{statistics.median(rates[name]):>14.1f}{tau:>8.2f}{share:>13.0%}"
               f"{statistics.median(ratios):>9.2f}x{lossless:>6}/{len(prompts)}")
+    for name in runtimes:
+        if name != "autoregressive":
+            print(f"{name} per-position acceptance: " + " ".join(f"{x:.2f}" for x in per_position[name]))
 
 
 if __name__ == "__main__":

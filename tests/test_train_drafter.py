@@ -6,14 +6,16 @@ import json
 
 import torch
 
-from trtllm_dflash.models.drafter import load_drafter
-from trtllm_dflash.models.random_pair import save_byte_tokenizer, save_random_target, tiny_target_config
-from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
+from trtllm_dflash.models.drafter import load_drafter
+from trtllm_dflash.models.random_pair import (drafter_config_for, save_byte_tokenizer, save_random_drafter,
+                                             save_random_target, tiny_target_config)
+from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.runtime.proposers import DFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.train.drafter import TrainConfig, block_inputs, sample_anchors, train, training_mask
+from trtllm_dflash.train.drafter import (RecordingProposer, TrainConfig, block_inputs, drafter_block_logits,
+                                         sample_anchors, train, training_mask)
 
 
 def test_training_mask_follows_the_three_rules():
@@ -56,7 +58,7 @@ def test_short_run_learns_resumes_and_writes_a_loadable_drafter(tmp_path):
                       anchors_per_sequence=4, batch_size=8, steps=12, lr=1e-2, save_every_s=1e9)
     out = tmp_path / "run"
     train(target_dir, out, cfg, "file", prompts, None, torch.device("cpu"), None)
-    cfg.steps = 40
+    cfg.steps, cfg.cache_features = 40, True  # the resumed part runs on cached (bf16) target features
     drafter_dir = train(target_dir, out, cfg, "file", prompts, None, torch.device("cpu"), None)  # resumes at 12
     history = json.loads((out / "history.json").read_text())["loss"]
     assert len(history) == 40
@@ -69,3 +71,52 @@ def test_short_run_learns_resumes_and_writes_a_loadable_drafter(tmp_path):
     spec = ReferenceRuntime(target, DFlashProposer(drafter, target)).generate([prompt], SamplingParams(max_tokens=24))
     ar = ReferenceRuntime(target, None).generate([prompt], SamplingParams(max_tokens=24))
     assert spec[0].output_token_ids == ar[0].output_token_ids
+
+
+def test_training_forward_gives_the_runtime_drafter_logits(tmp_path):
+    """Same weights, same committed sequence, same anchor: the block logits of the training forward
+    (`drafter_block_logits`) equal those the runtime's DFlashProposer produced inside the loop
+    (prefill + verify features, incremental context K/V, ragged batch, sliding-window target)."""
+    config = tiny_target_config()  # sliding window 8: prompts and outputs run past it
+    target = GptOssTarget(load_hf_gpt_oss(save_random_target(tmp_path / "target", config, seed=1)))
+    drafter = load_drafter(save_random_drafter(tmp_path / "drafter",
+                                               drafter_config_for(config, num_layers=2, block_size=4), seed=2))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 256, (n,), generator=gen).tolist() for n in (13, 21)]
+    proposer = RecordingProposer(drafter, target)
+    results = ReferenceRuntime(target, proposer).generate(prompts, SamplingParams(max_tokens=30), batch_size=2)
+    assert len(proposer.positions) > 5
+    b = drafter.config.block_size
+    checked = 0
+    for row, (prompt, result) in enumerate(zip(prompts, results)):
+        sequence = torch.tensor([prompt + result.output_token_ids + [0] * b])  # a late block may run past the end
+        runtime, anchors = [], []
+        for positions, logits in zip(proposer.positions, proposer.logits):
+            # rows leave the batch when they finish; both requests decode the same length here
+            if row < len(positions):
+                anchors.append(int(positions[row]))
+                runtime.append(logits[row])
+        trained = drafter_block_logits(drafter, target, sequence, torch.tensor([anchors]))[0]
+        torch.testing.assert_close(trained, torch.stack(runtime), rtol=1e-4, atol=1e-4)
+        checked += len(anchors)
+    assert checked == sum(len(p) for p in proposer.positions)
+
+
+def test_warm_start_grows_a_drafter_without_changing_its_output(tmp_path):
+    """--init-from: a 2-layer drafter started from a 1-layer one gives the 1-layer logits at step 0."""
+    from trtllm_dflash.train.drafter import new_drafter, warm_start
+
+    config = tiny_target_config()
+    target = GptOssTarget(load_hf_gpt_oss(save_random_target(tmp_path / "target", config, seed=1)))
+    shallow_dir = save_random_drafter(tmp_path / "drafter", drafter_config_for(config, block_size=4,
+                                                                              target_layer_ids=[0, 2]), seed=2)
+    shallow = load_drafter(shallow_dir)
+    cfg = TrainConfig(drafter_layers=2, block_size=4, target_layer_ids=[0, 2],
+                      intermediate_size=shallow.config.intermediate_size)
+    deep = new_drafter(target, cfg, shallow.config.mask_token_id)
+    fresh = warm_start(deep, shallow_dir)
+    assert fresh and all(name.startswith("layers.1.") for name in fresh)
+    sequence = torch.randint(2, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    anchors = torch.tensor([[3, 9, 15]])
+    torch.testing.assert_close(drafter_block_logits(deep, target, sequence, anchors),
+                               drafter_block_logits(shallow, target, sequence, anchors))

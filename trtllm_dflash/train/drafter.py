@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from ..errors import InputError
 from ..models.drafter import DFlashConfig, DFlashDrafter, default_target_layer_ids, save_drafter
 from ..models.target import GptOssTarget
+from ..runtime.proposers import DFlashProposer
 
 
 LOG_EVERY = 50  # steps between plain log lines when the output is not a terminal
@@ -60,6 +61,8 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0
+    init_from: str | None = None  # a drafter directory to warm-start from (see `warm_start`)
+    cache_features: bool = False  # run the target once over all sequences, keep its features (bf16)
     save_every_s: float = 300.0
     extra: dict = field(default_factory=dict)
 
@@ -137,18 +140,86 @@ def block_inputs(sequences: torch.Tensor, anchors: torch.Tensor, block_size: int
     return tokens, positions, labels
 
 
-def drafter_loss(drafter: DFlashDrafter, target: GptOssTarget, sequences: torch.Tensor, anchors: torch.Tensor,
-                 gamma: float) -> torch.Tensor:
+def target_features(target: GptOssTarget, sequences: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """The frozen target's outputs of `layer_ids` over clean sequences [n, L] -> [n, L, len * H]."""
+    n, seq_len = sequences.shape
+    positions = torch.arange(seq_len, device=sequences.device).expand(n, -1)
+    return target(sequences, positions, target.new_cache(n, seq_len), layer_ids)[1]
+
+
+def drafter_hidden(drafter: DFlashDrafter, target: GptOssTarget, sequences: torch.Tensor,
+                   anchors: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
+    """The training forward: final-normed drafter hidden states [n, A*B, H] of the blocks anchored
+    at `anchors` [n, A] (the frozen target runs the clean sequences once for the features, unless
+    they are given, e.g. precomputed by `--cache-features`)."""
     cfg = drafter.config
     b = cfg.block_size
     n, seq_len = sequences.shape
     with torch.no_grad():
         positions = torch.arange(seq_len, device=sequences.device).expand(n, -1)
-        _, features = target(sequences, positions, target.new_cache(n, seq_len), cfg.target_layer_ids)
-        tokens, block_positions, labels = block_inputs(sequences, anchors, b, cfg.mask_token_id)
+        if features is None:
+            features = target_features(target, sequences, cfg.target_layer_ids)
+        tokens, block_positions, _ = block_inputs(sequences, anchors, b, cfg.mask_token_id)
         embeds = target.embed(tokens)
     mask = training_mask(anchors.cpu(), b, seq_len).to(sequences.device)
-    hidden = drafter.forward_train(features.clone(), positions, embeds.clone(), block_positions, mask)
+    return drafter.forward_train(features.clone(), positions, embeds.clone(), block_positions, mask)
+
+
+def drafter_block_logits(drafter: DFlashDrafter, target: GptOssTarget, sequences: torch.Tensor,
+                         anchors: torch.Tensor) -> torch.Tensor:
+    """Training-mode logits of slots 1..B-1 [n, A, B-1, V]; slot k predicts x_{anchor+k}. The
+    runtime's DFlashProposer yields the same logits for the same anchor (tested)."""
+    b = drafter.config.block_size
+    with torch.no_grad():
+        hidden = drafter_hidden(drafter, target, sequences, anchors)
+        hidden = hidden.view(*anchors.shape, b, -1)[:, :, 1:]
+        return target.hf.lm_head(hidden.to(target.dtype)).float()
+
+
+class _LogitTap:
+    """Stands in for the target inside a DFlashProposer and keeps every block's drafter logits."""
+
+    def __init__(self, target: GptOssTarget):
+        self.target, self.logits = target, []
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.target.dtype
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.target.embed(tokens)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.target.lm_head(hidden)
+        self.logits.append(logits.clone())
+        return logits
+
+
+class RecordingProposer(DFlashProposer):
+    """The runtime's DFlashProposer, unchanged, plus a record of every drafted block: the anchor
+    positions [b] (`positions`) and the drafter's logits [b, B-1, V] (`logits`), step by step. What
+    `drafter_block_logits` is compared with (tests/test_train_drafter.py, benchmarks/diag_*)."""
+
+    def __init__(self, drafter: DFlashDrafter, target: GptOssTarget):
+        self.tap = _LogitTap(target)
+        super().__init__(drafter, self.tap)
+        self.positions: list[torch.Tensor] = []
+
+    @property
+    def logits(self) -> list[torch.Tensor]:
+        return self.tap.logits
+
+    def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
+        self.positions.append(anchor_positions.clone())
+        return super().propose(anchors, anchor_positions, history, num_drafts, params, generator)
+
+
+def drafter_loss(drafter: DFlashDrafter, target: GptOssTarget, sequences: torch.Tensor, anchors: torch.Tensor,
+                 gamma: float, features: torch.Tensor | None = None) -> torch.Tensor:
+    b = drafter.config.block_size
+    n = sequences.shape[0]
+    hidden = drafter_hidden(drafter, target, sequences, anchors, features)
+    _, _, labels = block_inputs(sequences, anchors, b, drafter.config.mask_token_id)
     slots = torch.arange(hidden.shape[1], device=hidden.device) % b != 0  # slot 0 (anchor) has no loss
     logits = target.hf.lm_head(hidden[:, slots].to(target.dtype)).float()
     k = (torch.arange(1, b, device=hidden.device)).repeat(anchors.shape[1])
@@ -186,6 +257,31 @@ def new_drafter(target: GptOssTarget, cfg: TrainConfig, mask_token_id: int) -> D
         if not name.endswith("norm.weight"):
             torch.nn.init.normal_(param, std=0.02) if param.dim() > 1 else torch.nn.init.zeros_(param)
     return model
+
+
+def warm_start(drafter: DFlashDrafter, source: Path) -> list[str]:
+    """Copy every same-named, same-shaped tensor of the drafter in `source` (a dflash-train output
+    or z-lab directory) into `drafter`. Layers the source lacks are appended on top as identity
+    blocks (`o_proj` and `down_proj` zeroed), so a deeper drafter starts exactly where the
+    shallower one ended and training only has to add to it. Returns the names initialised fresh."""
+    from ..models.drafter import load_drafter
+
+    old = load_drafter(source, dtype=drafter.dtype)
+    old_cfg, cfg = old.config, drafter.config
+    if old_cfg.target_layer_ids != cfg.target_layer_ids or old_cfg.block_size != cfg.block_size:
+        raise InputError("the warm-start drafter has other target_layer_ids or block size.", path=source)
+    state, fresh = old.state_dict(), []
+    with torch.no_grad():
+        for name, param in drafter.state_dict().items():
+            if name in state and state[name].shape == param.shape:
+                param.copy_(state[name])
+            else:
+                fresh.append(name)
+        for layer in drafter.layers[old.config.num_hidden_layers:]:
+            for zero in (layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias, layer.mlp.down_proj.weight):
+                if zero is not None:
+                    zero.zero_()
+    return fresh
 
 
 def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file: Path | None,
@@ -233,6 +329,9 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
             optimizer.load_state_dict(state["optimizer"])
             gen.set_state(state["generator"])
             step, history = state["step"], state["history"]
+        elif cfg.init_from:
+            fresh = warm_start(drafter, Path(cfg.init_from))
+            progress.console.log(f"warm start from {cfg.init_from}; {len(fresh)} tensors new: {fresh}")
 
         def save() -> None:
             tmp = checkpoint_path.with_suffix(".tmp")
@@ -240,6 +339,15 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
                         "generator": gen.get_state(), "history": history, "config": asdict(cfg)}, tmp)
             tmp.replace(checkpoint_path)
 
+        feature_cache = None
+        if cfg.cache_features:  # the frozen target's features never change: compute them once
+            layer_ids = drafter.config.target_layer_ids
+            task = progress.add_task("caching target features", total=len(sequences), info="")
+            feature_cache = torch.empty(*sequences.shape, len(layer_ids) * target.hidden_size, dtype=torch.bfloat16)
+            for first in range(0, len(sequences), 32):
+                chunk = sequences[first: first + 32].to(device)
+                feature_cache[first: first + 32] = target_features(target, chunk, layer_ids).to("cpu", torch.bfloat16)
+                progress.advance(task, len(chunk))
         warmup = max(1, int(cfg.warmup_ratio * cfg.steps))
         first, last = cfg.prompt_tokens, sequences.shape[1] - cfg.block_size
         task = progress.add_task("training drafter", total=cfg.steps, completed=step, info="")
@@ -254,8 +362,9 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
                     rows = torch.randint(0, len(sequences), (cfg.batch_size,), generator=gen)
                     batch = sequences[rows].to(device)
                     anchors = sample_anchors(cfg.batch_size, cfg.anchors_per_sequence, first, last, gen).to(device)
+                    features = None if feature_cache is None else feature_cache[rows].to(device, torch.float32)
                     with autocast:
-                        loss = drafter_loss(drafter, target, batch, anchors, cfg.decay()) / cfg.grad_accum
+                        loss = drafter_loss(drafter, target, batch, anchors, cfg.decay(), features) / cfg.grad_accum
                     loss.backward()
                     total += loss.item()
                 torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
@@ -296,12 +405,16 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
 @click.option("--steps", default=TrainConfig.steps, show_default=True)
 @click.option("--lr", default=TrainConfig.lr, show_default=True)
 @click.option("--seed", default=TrainConfig.seed, show_default=True)
+@click.option("--init-from", type=click.Path(path_type=Path),
+              help="Warm-start from this drafter directory (deeper drafters get identity layers on top).")
+@click.option("--cache-features", is_flag=True,
+              help="Compute the target's features of all sequences once (bf16, in memory) instead of every step.")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--threads", type=int, help="torch CPU threads.")
 @click.option("--max-minutes", type=float, help="Stop (and checkpoint) after this long; re-run to resume.")
 def main(target_dir, out, data, prompts_file, mask_token_id, drafter_layers, block_size, num_features,
          target_layer_ids, prompt_tokens, response_tokens, num_samples, anchors, batch_size, grad_accum, steps, lr,
-         seed, device, threads, max_minutes):
+         seed, init_from, cache_features, device, threads, max_minutes):
     """Train a DFlash drafter on the target's own greedy continuations."""
     from ..cli.common import clean_errors, resolve_device
 
@@ -313,7 +426,8 @@ def main(target_dir, out, data, prompts_file, mask_token_id, drafter_layers, blo
                           target_layer_ids=[int(i) for i in target_layer_ids.split(",")] if target_layer_ids else None,
                           prompt_tokens=prompt_tokens, response_tokens=response_tokens, num_samples=num_samples,
                           anchors_per_sequence=anchors, batch_size=batch_size, grad_accum=grad_accum, steps=steps,
-                          lr=lr, seed=seed)
+                          lr=lr, seed=seed, init_from=str(init_from) if init_from else None,
+                          cache_features=cache_features)
         path = train(target_dir, out, cfg, "file" if prompts_file else data, prompts_file, mask_token_id,
                      resolve_device(device), max_minutes)
         click.echo(f"drafter written to {path}")
