@@ -230,6 +230,12 @@ def test_mxfp4_to_nvfp4_wide_scale_span_obeys_nvfp4_bound():
     assert (err[in_range] == 0).all()
 
 
+def rescale_on_path(blocks, scales, scale_dims, use_numpy):
+    """The numpy or the torch rescale, with the non-zero-block test of the same path."""
+    rescale = codecs._rescale_numpy if use_numpy else codecs._rescale_torch
+    return rescale(scales, codecs._nonzero_blocks(blocks, use_numpy), scale_dims)
+
+
 def same_rescale(a: codecs.MXFP4Rescale, b: codecs.MXFP4Rescale) -> bool:
     as_bytes = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (*a[:3], *b[:3])]
     return a.exact == b.exact and all(
@@ -253,8 +259,8 @@ def test_mxfp4_to_nvfp4_scales_numpy_matches_torch(lead):
         if trial == 0:
             scales.view(-1)[0], scales.view(-1)[-1] = 0, 254
         for scale_dims in range(len(lead) + 1):
-            fast = codecs._rescale_numpy(blocks, scales, scale_dims)
-            assert same_rescale(fast, codecs._rescale_torch(blocks, scales, scale_dims)), (trial, scale_dims)
+            fast = rescale_on_path(blocks, scales, scale_dims, use_numpy=True)
+            assert same_rescale(fast, rescale_on_path(blocks, scales, scale_dims, use_numpy=False)), (trial, scale_dims)
             assert fast.exact == (not bool(fast.out_of_range.any()))
 
 
@@ -278,7 +284,8 @@ def test_mxfp4_global_log2_chunked_matches_whole_tensor(device_path, monkeypatch
     of per-chunk mxfp4_global_log2 equals the whole tensor's scale_dims=0 global, and a given
     global_log2 reproduces the whole-tensor rescale chunk by chunk, on both code paths."""
     if device_path == "torch":
-        monkeypatch.setattr(codecs, "_is_cpu_uint8", lambda blocks, scales: False)
+        check = codecs._check_scales_pick_numpy  # still refuses NaN scales, then takes the torch path
+        monkeypatch.setattr(codecs, "_check_scales_pick_numpy", lambda *args: check(*args) and False)
     g = torch.Generator().manual_seed(21)
     blocks = torch.randint(0, 256, (4, 6, 5, 16), dtype=torch.uint8, generator=g)
     scales = torch.randint(124, 131, (4, 6, 5), dtype=torch.uint8, generator=g)
@@ -376,7 +383,8 @@ def test_fuzz_mxfp4_to_nvfp4(x):
 @given(weights(32), st.integers(0, 2))
 def test_fuzz_mxfp4_to_nvfp4_scales_numpy_matches_torch(x, scale_dims):
     blocks, scales = mxfp4_encode(x)
-    assert same_rescale(codecs._rescale_numpy(blocks, scales, scale_dims), codecs._rescale_torch(blocks, scales, scale_dims))
+    assert same_rescale(rescale_on_path(blocks, scales, scale_dims, use_numpy=True),
+                        rescale_on_path(blocks, scales, scale_dims, use_numpy=False))
 
 
 @FUZZ

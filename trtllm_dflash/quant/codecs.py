@@ -288,8 +288,28 @@ class MXFP4Rescale(NamedTuple):
 _NIBBLE_MAGNITUDES = 0x7777777777777777  # the 3 magnitude bits of each of 16 nibbles in a word
 
 
-def _is_cpu_uint8(blocks: torch.Tensor, scales: torch.Tensor) -> bool:
-    return blocks.device.type == "cpu" and scales.device.type == "cpu" and scales.dtype == torch.uint8
+def _check_scales_pick_numpy(blocks: torch.Tensor, scales: torch.Tensor, name: str, path: str | None) -> bool:
+    """Refuse NaN E8M0 scales (byte 255); True when the numpy path applies (CPU uint8 scales).
+
+    CPU tensors go through numpy (no int64 temporaries: ~50x faster than the torch ops on a loaded
+    2-core host); other devices use torch. Both give identical bytes (tested).
+    """
+    if blocks.device.type == "cpu" and scales.device.type == "cpu" and scales.dtype == torch.uint8:
+        if bool((scales.contiguous().numpy() == 255).any()):
+            _require_e8m0_finite(scales, name, path)  # raises, naming the first NaN scale
+        return True
+    _require_e8m0_finite(scales, name, path)
+    return False
+
+
+def _nonzero_blocks(blocks: torch.Tensor, use_numpy: bool):
+    """bool ``[...]`` of ``[..., 16]`` MXFP4 blocks: does any nibble have magnitude bits set?
+    Tests the 16 bytes as two 64-bit words; a numpy array on the numpy path, else a tensor."""
+    if use_numpy:
+        words = blocks.contiguous().numpy().reshape(-1, 2, 8).view(np.uint64)[..., 0]  # [blocks, 2]
+        return ((words[:, 0] | words[:, 1]) & np.uint64(_NIBBLE_MAGNITUDES)).astype(bool).reshape(blocks.shape[:-1])
+    words = blocks.contiguous().view(torch.int64)
+    return ((words[..., 0] | words[..., 1]) & _NIBBLE_MAGNITUDES) != 0
 
 
 def mxfp4_global_log2(blocks: torch.Tensor, scales: torch.Tensor, *, name: str = "tensor", path: str | None = None) -> int:
@@ -299,17 +319,11 @@ def mxfp4_global_log2(blocks: torch.Tensor, scales: torch.Tensor, *, name: str =
     Computed chunk by chunk, the maximum of the per-chunk values is the value for the whole tensor
     (the rule is monotonic in ``emax``), which is how the converter gets one global per fused tensor.
     """
-    if _is_cpu_uint8(blocks, scales):
-        s = scales.contiguous().numpy()
-        if bool((s == 255).any()):
-            _require_e8m0_finite(scales, name, path)
-        words = blocks.contiguous().numpy().reshape(-1, 2, 8).view(np.uint64)[..., 0]
-        nonzero = ((words[:, 0] | words[:, 1]) & np.uint64(_NIBBLE_MAGNITUDES)).astype(bool)
-        emax = int((s.reshape(-1) * nonzero).max(initial=0)) - E8M0_BIAS
+    use_numpy = _check_scales_pick_numpy(blocks, scales, name, path)
+    nonzero = _nonzero_blocks(blocks, use_numpy)
+    if use_numpy:
+        emax = int((scales.contiguous().numpy() * nonzero).max(initial=0)) - E8M0_BIAS
     else:
-        _require_e8m0_finite(scales, name, path)
-        words = blocks.contiguous().view(torch.int64)
-        nonzero = ((words[..., 0] | words[..., 1]) & _NIBBLE_MAGNITUDES) != 0
         emax = int((scales * nonzero).max()) - E8M0_BIAS if scales.numel() else -E8M0_BIAS
     return min(max(emax - 8, -126), 127)
 
@@ -328,24 +342,17 @@ def mxfp4_to_nvfp4_scales(
     ``global_log2`` (from :func:`mxfp4_global_log2` over a larger tensor) fixes one scalar global
     scale ``2**global_log2`` instead of deriving it per ``scale_dims`` group from these blocks.
 
-    CPU tensors go through numpy (one 256-entry lookup per global-scale group, no int64
-    temporaries: ~50x faster than the torch ops on a loaded 2-core host); other devices use torch.
-    Both give identical bytes (tested).
+    The numpy path does one 256-entry lookup per global-scale group (see ``_check_scales_pick_numpy``).
     """
     if global_log2 is not None:
         scale_dims = 0
-    if _is_cpu_uint8(blocks, scales):
-        if bool((scales.contiguous().numpy() == 255).any()):
-            _require_e8m0_finite(scales, name, path)  # raises, naming the first NaN scale
-        return _rescale_numpy(blocks, scales, scale_dims, global_log2)
-    _require_e8m0_finite(scales, name, path)
-    return _rescale_torch(blocks, scales, scale_dims, global_log2)
+    use_numpy = _check_scales_pick_numpy(blocks, scales, name, path)
+    rescale = _rescale_numpy if use_numpy else _rescale_torch
+    return rescale(scales, _nonzero_blocks(blocks, use_numpy), scale_dims, global_log2)
 
 
-def _rescale_torch(blocks: torch.Tensor, scales: torch.Tensor, scale_dims: int, global_log2: int | None = None) -> MXFP4Rescale:
-    # a block is non-zero if any nibble has magnitude bits set; test 16 bytes as two int64 words
-    words = blocks.contiguous().view(torch.int64)
-    nonzero = ((words[..., 0] | words[..., 1]) & _NIBBLE_MAGNITUDES) != 0
+def _rescale_torch(scales: torch.Tensor, nonzero: torch.Tensor, scale_dims: int,
+                   global_log2: int | None = None) -> MXFP4Rescale:
     # Everything below is byte arithmetic on E8M0 scale bytes s: exponent e = s - 127.
     if global_log2 is None:
         emax = (scales * nonzero).reshape(scales.shape[:scale_dims] + (-1,)).amax(dim=-1).to(torch.int64) - E8M0_BIAS
@@ -354,17 +361,16 @@ def _rescale_torch(blocks: torch.Tensor, scales: torch.Tensor, scale_dims: int, 
         log2_g = torch.tensor(global_log2, dtype=torch.int64, device=scales.device)
     # rel = e - log2_g, looked up (offset by 256 to be non-negative) in a table of E4M3 bytes of 2**rel
     index = scales.to(torch.int64) - _expand_scale(log2_g + E8M0_BIAS - 256, scales.dim())
-    e4m3 = torch.take(_pow2_e4m3_table(blocks.device), index.clamp(0, 264)) * nonzero  # clamp: all-zero blocks
+    e4m3 = torch.take(_pow2_e4m3_table(scales.device), index.clamp(0, 264)) * nonzero  # clamp: all-zero blocks
     out_of_range = (e4m3 == 0) & nonzero  # below 2**-9, E4M3's smallest subnormal
     weight_scale = e4m3.repeat_interleave(2, dim=-1)
     return MXFP4Rescale(weight_scale.view(torch.float8_e4m3fn), pow2(log2_g), out_of_range, not bool(out_of_range.any()))
 
 
-def _rescale_numpy(blocks: torch.Tensor, scales: torch.Tensor, scale_dims: int, global_log2: int | None = None) -> MXFP4Rescale:
+def _rescale_numpy(scales: torch.Tensor, nonzero: np.ndarray, scale_dims: int,
+                   global_log2: int | None = None) -> MXFP4Rescale:
     """Same bytes as :func:`_rescale_torch`, in numpy on uint8 arrays."""
     s = scales.contiguous().numpy()
-    words = blocks.contiguous().numpy().reshape(-1, 2, 8).view(np.uint64)[..., 0]  # [blocks, 2]
-    nonzero = ((words[:, 0] | words[:, 1]) & np.uint64(_NIBBLE_MAGNITUDES)).astype(bool).reshape(s.shape)
     lead = s.shape[:scale_dims]
     groups = math.prod(lead)
     s_g, nonzero_g = s.reshape(groups, -1), nonzero.reshape(groups, -1)
