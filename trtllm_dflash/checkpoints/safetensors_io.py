@@ -79,13 +79,9 @@ class FileRange:
 # reading
 
 
-def read_header(path: str | Path) -> dict[str, TensorInfo]:
-    """Parse and validate a safetensors header; InputError on a missing, truncated or corrupt file."""
-    return _read_header(path)[0]
-
-
-def _read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, int]]:
-    """:func:`read_header`, plus each tensor's absolute byte offset in the file."""
+def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, int]]:
+    """Parse and validate a safetensors header -> (tensor infos, each tensor's absolute byte offset
+    in the file); InputError on a missing, truncated or corrupt file."""
     path = Path(path)
     if not path.is_file():
         raise InputError("file not found", path=path)
@@ -131,7 +127,7 @@ class ShardedReader:
         self.infos: dict[str, TensorInfo] = {}
         self._offsets: dict[str, int] = {}
         for file in safetensors_files(self.directory):
-            infos, offsets = _read_header(file)
+            infos, offsets = read_header(file)
             for name, info in infos.items():
                 if name in self.infos:
                     raise InputError(f"tensor also present in {self.files[name].name}", path=file, field=name)
@@ -157,19 +153,9 @@ class ShardedReader:
                 return f.get_tensor(name)
             return f.get_slice(name)[start:stop]
 
-    def byte_range(self, name: str, start: int | None = None, stop: int | None = None) -> FileRange:
-        """Where the bytes of tensor ``name`` (rows ``start:stop`` of dim 0 if given) lie in its shard."""
-        info = self.infos[name]
-        if not info.shape:
-            if start is not None or stop is not None:
-                raise ValueError(f"{name}: a 0-d tensor has no rows")
-            return FileRange(self.files[name], self._offsets[name], info.nbytes)
-        rows = info.shape[0]
-        start, stop = 0 if start is None else start, rows if stop is None else stop
-        if not 0 <= start <= stop <= rows:
-            raise ValueError(f"{name}: rows {start}:{stop} outside 0:{rows}")
-        row_bytes = info.nbytes // rows if rows else 0
-        return FileRange(self.files[name], self._offsets[name] + start * row_bytes, (stop - start) * row_bytes)
+    def byte_range(self, name: str) -> FileRange:
+        """Where the bytes of tensor ``name`` lie in its shard."""
+        return FileRange(self.files[name], self._offsets[name], self.infos[name].nbytes)
 
 
 # ----------------------------------------------------------------------------------------------

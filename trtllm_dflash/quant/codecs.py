@@ -85,23 +85,28 @@ def _expand_scale(scale: torch.Tensor, ndim: int) -> torch.Tensor:
     return scale.reshape(scale.shape + (1,) * (ndim - scale.dim()))
 
 
-def _global_scale(x: torch.Tensor, scale_dims: int, divisor: float) -> torch.Tensor:
-    """``amax(|x|) / divisor`` per ``scale_dims`` group (fp32, shape ``x.shape[:scale_dims]``),
-    floored at 2**-126, correctly rounded on every device.
+def scale_from_amax(amax: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``amax / divisor`` floored at 2**-126, correctly rounded on every device.
 
     The divisor is a full tensor on purpose: torch's CUDA kernels divide by a scalar as a multiply by
     its reciprocal, which is 1 ulp off for some amax values and made CUDA scales differ from CPU ones.
     """
-    amax = x.reshape(x.shape[:scale_dims] + (-1,)).abs().amax(dim=-1).float()
     return (amax / torch.full_like(amax, divisor)).clamp_min(_TINY)
+
+
+def _global_scale(x: torch.Tensor, scale_dims: int, divisor: float) -> torch.Tensor:
+    """:func:`scale_from_amax` of ``amax(|x|)`` per ``scale_dims`` group (fp32, shape ``x.shape[:scale_dims]``)."""
+    return scale_from_amax(x.reshape(x.shape[:scale_dims] + (-1,)).abs().amax(dim=-1).float(), divisor)
 
 
 # ----------------------------------------------------------------------------------------------
 # FP8 E4M3
 
 
-def fp8_encode(x: torch.Tensor, *, scale_dims: int = 0, name: str = "tensor", path: str | None = None) -> FP8Tensor:
-    """Quantize to float8_e4m3fn with ``scale = amax / 448`` per ``scale_dims`` group.
+def fp8_encode(x: torch.Tensor, *, scale_dims: int = 0, global_scale: torch.Tensor | None = None,
+               name: str = "tensor", path: str | None = None) -> FP8Tensor:
+    """Quantize to float8_e4m3fn with ``scale = amax / 448`` per ``scale_dims`` group (or the given
+    ``global_scale``, e.g. one computed over a whole tensor that arrives in chunks).
 
     The cast itself is torch's (round-to-nearest-even), so results are bit-exact with
     ``(x / scale).to(torch.float8_e4m3fn)``; values are clamped to +-448 first because an
@@ -109,7 +114,7 @@ def fp8_encode(x: torch.Tensor, *, scale_dims: int = 0, name: str = "tensor", pa
     """
     require_finite(x, name, path)
     x = x.float()
-    scale = _global_scale(x, scale_dims, E4M3_MAX)
+    scale = _global_scale(x, scale_dims, E4M3_MAX) if global_scale is None else global_scale.float()
     q = (x / _expand_scale(scale, x.dim())).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return FP8Tensor(q, scale)
 

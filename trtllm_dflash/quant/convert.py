@@ -78,6 +78,7 @@ from trtllm_dflash.quant.codecs import (
     nvfp4_encode,
     pow2,
     require_finite,
+    scale_from_amax,
 )
 from trtllm_dflash.quant.recipes import EXPERTS, KV_CACHE_ALGOS, Format, get_recipe, is_gpt_oss, quant_configs
 
@@ -325,6 +326,11 @@ def _experts_to_scaled(reader: ShardedReader, p: SourceParam, fmt: Format, input
         for a, b in _row_ranges(e, rows):
             yield reader.read(p.tensors[0], a, b), reader.read(p.tensors[1], a, b)
 
+    def nvfp4_pieces(codes: torch.Tensor, block_scales: torch.Tensor) -> Iterator[Piece]:
+        """Codes and E4M3 block scales of ``[k, out, in/...]`` experts, written ``[k, in/..., out]``."""
+        yield p.name, _transposed(codes)
+        yield ws, _transposed(block_scales.view(torch.uint8)).view(torch.float8_e4m3fn)
+
     def pieces() -> Iterator[Piece]:
         if exact:  # power-of-two global from the layer-wide largest block exponent: codes stay exact
             log2 = max((mxfp4_global_log2(bl, sc, name=p.name, path=path) for bl, sc in source_chunks()), default=-126)
@@ -332,28 +338,23 @@ def _experts_to_scaled(reader: ShardedReader, p: SourceParam, fmt: Format, input
                 if COPY_EXACT_FP4:
                     rescale = mxfp4_to_nvfp4_scales(blocks, scales, global_log2=log2, name=p.name, path=path)
                     if rescale.exact:  # codes unchanged: the source bytes, transposed
-                        yield p.name, _transposed(blocks.flatten(-2))
-                        yield ws, _transposed(rescale.weight_scale.view(torch.uint8)).view(torch.float8_e4m3fn)
+                        yield from nvfp4_pieces(blocks.flatten(-2), rescale.weight_scale)
                         continue
                 q = mxfp4_to_nvfp4(blocks, scales, global_log2=log2, name=p.name, path=path)
-                yield p.name, _transposed(q.weight)
-                yield ws, _transposed(q.weight_scale.view(torch.uint8)).view(torch.float8_e4m3fn)
+                yield from nvfp4_pieces(q.weight, q.weight_scale)
             yield ws2, pow2(torch.tensor(log2))
         else:
             amax = torch.zeros((), dtype=torch.float32)
             for chunk in _canonical_chunks(reader, p, rows):
                 require_finite(chunk, p.name, path)
                 amax = torch.maximum(amax, chunk.abs().amax() if chunk.numel() else amax)
-            divisor = E4M3_MAX if fmt is Format.FP8 else E2M1_MAX * E4M3_MAX
-            global_scale = (amax / torch.full_like(amax, divisor)).clamp_min(torch.finfo(torch.float32).tiny)
+            global_scale = scale_from_amax(amax, E4M3_MAX if fmt is Format.FP8 else E2M1_MAX * E4M3_MAX)
             for chunk in _canonical_chunks(reader, p, rows):
                 if fmt is Format.FP8:
-                    q = (chunk / global_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-                    yield p.name, q.transpose(-1, -2).contiguous()
+                    yield p.name, _transposed(fp8_encode(chunk, global_scale=global_scale, name=p.name, path=path).weight)
                 else:
                     q = nvfp4_encode(chunk, global_scale=global_scale, name=p.name, path=path)
-                    yield p.name, _transposed(q.weight)
-                    yield ws, _transposed(q.weight_scale.view(torch.uint8)).view(torch.float8_e4m3fn)
+                    yield from nvfp4_pieces(q.weight, q.weight_scale)
             yield (ws if fmt is Format.FP8 else ws2), global_scale
         if input_amax is not None:
             yield outputs[-1].name, _input_scale(fmt, input_amax)
