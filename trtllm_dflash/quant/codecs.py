@@ -103,10 +103,8 @@ def _global_scale(x: torch.Tensor, scale_dims: int, divisor: float) -> torch.Ten
 # FP8 E4M3
 
 
-def fp8_encode(x: torch.Tensor, *, scale_dims: int = 0, global_scale: torch.Tensor | None = None,
-               name: str = "tensor", path: str | None = None) -> FP8Tensor:
-    """Quantize to float8_e4m3fn with ``scale = amax / 448`` per ``scale_dims`` group (or the given
-    ``global_scale``, e.g. one computed over a whole tensor that arrives in chunks).
+def fp8_encode(x: torch.Tensor, *, scale_dims: int = 0, name: str = "tensor", path: str | None = None) -> FP8Tensor:
+    """Quantize to float8_e4m3fn with ``scale = amax / 448`` per ``scale_dims`` group.
 
     The cast itself is torch's (round-to-nearest-even), so results are bit-exact with
     ``(x / scale).to(torch.float8_e4m3fn)``; values are clamped to +-448 first because an
@@ -114,7 +112,7 @@ def fp8_encode(x: torch.Tensor, *, scale_dims: int = 0, global_scale: torch.Tens
     """
     require_finite(x, name, path)
     x = x.float()
-    scale = _global_scale(x, scale_dims, E4M3_MAX) if global_scale is None else global_scale.float()
+    scale = _global_scale(x, scale_dims, E4M3_MAX)
     q = (x / _expand_scale(scale, x.dim())).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return FP8Tensor(q, scale)
 

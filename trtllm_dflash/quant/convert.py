@@ -251,7 +251,9 @@ def _input_scale(fmt: Format, input_amax: float) -> torch.Tensor:
 def _to_scaled(reader: ShardedReader, p: SourceParam, fmt: Format, input_amax: float | None) -> Job:
     """FP8 or NVFP4 linear weight ``[out, in]`` + scales (+ input_scale from calibration amax)."""
     if is_expert(p.name):
-        return _experts_to_scaled(reader, p, fmt, input_amax)
+        if fmt is not Format.NVFP4:  # no recipe maps experts to FP8: TensorRT-LLM has no such gpt-oss path
+            raise ValueError(f"{p.name}: gpt-oss experts are written as NVFP4, MXFP4 or bf16, not {fmt.value}")
+        return _experts_to_nvfp4(reader, p, input_amax)
     shape = _canonical_shape(reader, p)
     path = str(reader.files[p.tensors[0]])
     ws, ws2 = scale_name(p.name, "weight_scale"), scale_name(p.name, "weight_scale_2")
@@ -294,33 +296,27 @@ def _transposed(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def _experts_to_scaled(reader: ShardedReader, p: SourceParam, fmt: Format, input_amax: float | None) -> Job:
-    """gpt-oss experts in FP8 or NVFP4, written ``[E, in, out]`` with scalar global scales.
+def _experts_to_nvfp4(reader: ShardedReader, p: SourceParam, input_amax: float | None) -> Job:
+    """gpt-oss experts in NVFP4, written ``[E, in/2, out]`` with a scalar global scale.
 
     TensorRT-LLM's gpt-oss NVFP4 loader (``modeling_gpt_oss.load_nvfp4_weights``) reads experts as
     ``[E, in/2, out]`` codes + ``[E, in/16, out]`` block scales and ``.reshape([])``s
     ``*_weight_scale_2`` / ``*_input_scale``: one fp32 scalar per fused tensor, not one per expert.
     So the global scale is computed over all experts first (pass 1), then experts are encoded in the
     codecs' ``[k, out, in]`` layout chunk by chunk and transposed on the way out (pass 2).
-    (TensorRT-LLM has no FP8 expert path for gpt-oss; FP8 experts follow the same layout and scalar
-    rule but no shipped recipe writes them.)
     """
     shape = _canonical_shape(reader, p)  # [E, out, in]
     e, out, inp = shape
     path = str(reader.files[p.tensors[0]])
     ws, ws2 = scale_name(p.name, "weight_scale"), scale_name(p.name, "weight_scale_2")
-    if fmt is Format.FP8:
-        outputs = [TensorInfo(p.name, torch.float8_e4m3fn, (e, inp, out)), TensorInfo(ws, torch.float32, ())]
-    else:
-        outputs = [
-            TensorInfo(p.name, torch.uint8, (e, inp // 2, out)),
-            TensorInfo(ws, torch.float8_e4m3fn, (e, inp // NVFP4_BLOCK, out)),
-            TensorInfo(ws2, torch.float32, ()),
-        ]
+    outputs = [
+        TensorInfo(p.name, torch.uint8, (e, inp // 2, out)),
+        TensorInfo(ws, torch.float8_e4m3fn, (e, inp // NVFP4_BLOCK, out)),
+        TensorInfo(ws2, torch.float32, ()),
+    ]
     if input_amax is not None:
         outputs.append(TensorInfo(scale_name(p.name, "input_scale"), torch.float32, ()))
     rows = _rows_per_chunk(shape, True)
-    exact = fmt is Format.NVFP4 and p.mxfp4
 
     def source_chunks() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for a, b in _row_ranges(e, rows):
@@ -332,7 +328,7 @@ def _experts_to_scaled(reader: ShardedReader, p: SourceParam, fmt: Format, input
         yield ws, _transposed(block_scales.view(torch.uint8)).view(torch.float8_e4m3fn)
 
     def pieces() -> Iterator[Piece]:
-        if exact:  # power-of-two global from the layer-wide largest block exponent: codes stay exact
+        if p.mxfp4:  # power-of-two global from the layer-wide largest block exponent: codes stay exact
             log2 = max((mxfp4_global_log2(bl, sc, name=p.name, path=path) for bl, sc in source_chunks()), default=-126)
             for blocks, scales in source_chunks():
                 if COPY_EXACT_FP4:
@@ -348,16 +344,13 @@ def _experts_to_scaled(reader: ShardedReader, p: SourceParam, fmt: Format, input
             for chunk in _canonical_chunks(reader, p, rows):
                 require_finite(chunk, p.name, path)
                 amax = torch.maximum(amax, chunk.abs().amax() if chunk.numel() else amax)
-            global_scale = scale_from_amax(amax, E4M3_MAX if fmt is Format.FP8 else E2M1_MAX * E4M3_MAX)
+            global_scale = scale_from_amax(amax, E2M1_MAX * E4M3_MAX)
             for chunk in _canonical_chunks(reader, p, rows):
-                if fmt is Format.FP8:
-                    yield p.name, _transposed(fp8_encode(chunk, global_scale=global_scale, name=p.name, path=path).weight)
-                else:
-                    q = nvfp4_encode(chunk, global_scale=global_scale, name=p.name, path=path)
-                    yield from nvfp4_pieces(q.weight, q.weight_scale)
-            yield (ws if fmt is Format.FP8 else ws2), global_scale
+                q = nvfp4_encode(chunk, global_scale=global_scale, name=p.name, path=path)
+                yield from nvfp4_pieces(q.weight, q.weight_scale)
+            yield ws2, global_scale
         if input_amax is not None:
-            yield outputs[-1].name, _input_scale(fmt, input_amax)
+            yield outputs[-1].name, _input_scale(Format.NVFP4, input_amax)
 
     return Job(outputs, pieces)
 
