@@ -75,6 +75,7 @@ class BuildPlan:
     profile: Profile
     profile_file: Path
     llm_options: LlmApiOptions
+    input_amax: dict[str, float] | None = None  # read from options.input_amax_file
 
 
 @dataclass
@@ -104,8 +105,7 @@ def plan_build(options: BuildOptions) -> BuildPlan:
     pair = validate_pair(options.target_dir, options.drafter_dir)
     if options.quant != KEEP:
         check_convertible(pair.target_dir)
-    if options.input_amax_file is not None:
-        read_input_amax(options.input_amax_file)
+    input_amax = None if options.input_amax_file is None else read_input_amax(options.input_amax_file)
     llm_options = render_options(profile, pair, options, profile_file)
     spec = llm_options.speculative_config
     checks.check_draft_len(spec.max_draft_len, pair)
@@ -115,7 +115,7 @@ def plan_build(options: BuildOptions) -> BuildPlan:
     checks.check_quant(options.drafter_quant, profile, "--drafter-quant")
     checks.check_profile_hardware(llm_options, profile, str(profile_file))
     checks.check_parallel(llm_options, pair)
-    return BuildPlan(options, pair, profile, profile_file, llm_options)
+    return BuildPlan(options, pair, profile, profile_file, llm_options, input_amax)
 
 
 def check_output(path: Path, force: bool, option: str) -> None:
@@ -325,16 +325,13 @@ def calibrate_target(target_dir: Path, recipe: str) -> dict[str, float]:
 
 
 def convert(src: Path, dst: Path, recipe: str, kv_cache_dtype: str, show_progress: bool,
-            input_amax_file: Path | None = None) -> None:
+            input_amax: dict[str, float] | None = None) -> None:
     """Convert one checkpoint. The target loader's required input scales (NVFP4 gpt-oss experts)
-    come from `input_amax_file` or, without one, from calibrating the target here."""
+    come from `input_amax` (an `--input-amax` file) or, without it, from calibrating the target here."""
     from ..quant.convert import convert_checkpoint, needs_input_amax
 
-    required = needs_input_amax(src, recipe)
-    amax = None
-    if input_amax_file is not None:
-        amax = read_input_amax(input_amax_file)
-    elif required:
+    amax = input_amax
+    if amax is None and needs_input_amax(src, recipe):
         amax = calibrate_target(src, recipe)
     convert_checkpoint(src, dst, recipe, kv_cache_dtype=kv_cache_dtype, input_amax=amax, progress=show_progress)
 
@@ -402,11 +399,9 @@ def build_engine(options: BuildOptions, show_progress: bool = True, log: Callabl
     records = records_dir(output)
     with progress_bar(show_progress) as progress:
         runner = StageRunner(work, records, progress)
-        amax_key = (None if options.input_amax_file is None
-                    else read_input_amax(options.input_amax_file))
-        runner.run(TARGET, [version, options.quant, kv, sources[TARGET], amax_key], TARGET,
+        runner.run(TARGET, [version, options.quant, kv, sources[TARGET], plan.input_amax], TARGET,
                    lambda dst: copy_checkpoint(plan.pair.target_dir, dst, work, progress) if options.quant == KEEP
-                   else convert(plan.pair.target_dir, dst, options.quant, kv, show_progress, options.input_amax_file))
+                   else convert(plan.pair.target_dir, dst, options.quant, kv, show_progress, plan.input_amax))
         runner.run(DRAFTER, [version, options.drafter_quant, kv, sources[DRAFTER]], DRAFTER,
                    lambda dst: build_drafter(plan.pair, dst, options.drafter_quant, kv, show_progress))
         if options.trt_drafter:
