@@ -85,7 +85,6 @@ def tune(do_bench, points) -> tuple[object, list[dict]]:
         for config in launch_configs():
             try:
                 ms = do_bench(lambda: draft_block_attention_triton(*problem, D**-0.5, launch=config))
-
             except Exception as err:  # e.g. out of shared memory for this tile: not a candidate
                 print(f"  tune {config}: failed ({type(err).__name__}: {str(err)[:80]})")
                 log_sums[config] = math.inf
