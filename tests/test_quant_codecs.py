@@ -303,6 +303,29 @@ def test_mxfp4_global_log2_chunked_matches_whole_tensor(device_path, monkeypatch
     t = mxfp4_to_nvfp4(blocks, scales, global_log2=log2)
     assert t.weight_scale_2.shape == () and torch.equal(nvfp4_decode(*t)[1:], mxfp4_decode(blocks, scales)[1:])
     assert codecs.mxfp4_global_log2(torch.zeros(2, 3, 1, 16, dtype=torch.uint8), torch.zeros(2, 3, 1, dtype=torch.uint8)) == -126
+    with pytest.raises(InputError, match="255"):
+        codecs.mxfp4_global_log2(blocks, torch.full_like(scales, 255))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), zero_fraction=st.sampled_from([0.0, 0.5, 0.95, 1.0]),
+       segment=st.sampled_from([1, 5, 2**16]), batch=st.sampled_from([1, 3, 64]))
+def test_mxfp4_global_log2_equals_the_exhaustive_rule(seed, zero_fraction, segment, batch):
+    """The candidate search (largest scale byte first, a segment of scales and a batch of blocks at a time) gives the
+    rule's value: the largest scale byte of a block with any magnitude bit set. Zero blocks (sign
+    bits only, -0) sit at the largest scales on purpose."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (3, 7, 4, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(0, 255, (3, 7, 4), dtype=torch.uint8, generator=g)
+    zero = torch.rand(scales.shape, generator=g) < zero_fraction
+    blocks[zero] = torch.tensor([0x00, 0x08, 0x80, 0x88], dtype=torch.uint8)[torch.randint(0, 4, (int(zero.sum()), 16), generator=g)]
+    scales[zero] = torch.randint(200, 255, (int(zero.sum()),), dtype=torch.uint8, generator=g)
+    nonzero = (blocks & 0x77).flatten(-1).amax(-1) > 0
+    emax = int((scales.int() * nonzero).max()) - 127
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(codecs, "GLOBAL_LOG2_SEGMENT", segment)
+        patch.setattr(codecs, "GLOBAL_LOG2_BATCH", batch)
+        assert codecs.mxfp4_global_log2(blocks, scales) == min(max(emax - 8, -126), 127)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import errno
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -519,6 +520,37 @@ def test_missing_config_is_an_input_error(gptoss_dir, tmp_path):
     (src / "config.json").unlink()
     with pytest.raises(InputError, match="config.json: config.json not found"):
         convert_checkpoint(src, tmp_path / "o", progress=False)
+
+
+def test_ordered_map_keeps_order_bounds_lookahead_and_raises():
+    started, consumed = [], []
+
+    def work(i):
+        started.append(i)
+        time.sleep(0.002 * (i % 3))  # later items often finish first
+        if i == 7:
+            raise ValueError("item 7")
+        return i * i
+
+    results = convert_mod.ordered_map(work, ((i,) for i in range(7)), threads=2)
+    for value in results:
+        consumed.append(value)
+        assert max(started) < len(consumed) + 4  # never more than 2 * threads ahead of the consumer
+        time.sleep(0.01)  # a slow consumer: unbounded workers would race ahead
+    assert consumed == [i * i for i in range(7)]
+    with pytest.raises(ValueError, match="item 7"):
+        list(convert_mod.ordered_map(work, ((i,) for i in range(9)), threads=2))
+
+
+def test_mapped_tensors_equal_read_ones_and_never_write_the_file(gptoss_dir):
+    reader = ShardedReader(gptoss_dir)
+    before = {f: f.read_bytes() for f in set(reader.files.values())}
+    for name in reader.infos:
+        view = reader.mapped(name)
+        assert view.dtype == reader.infos[name].dtype and torch.equal(view, reader.read(name)), name
+        if view.numel():
+            view.view(-1)[0] = 1 - view.view(-1)[0]  # copy-on-write: a private page, not the file
+    assert {f: f.read_bytes() for f in before} == before
 
 
 def test_truncated_shard_names_file_and_tensor(gptoss_dir, tmp_path):

@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -152,6 +153,15 @@ class ShardedReader:
             if start is None and stop is None:
                 return f.get_tensor(name)
             return f.get_slice(name)[start:stop]
+
+    def mapped(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` over a copy-on-write memory map of its shard: nothing is read until an
+        element is touched, and writes never reach the file."""
+        info = self.infos[name]
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=info.dtype)
+        array = np.memmap(self.files[name], dtype=np.uint8, mode="c", offset=self._offsets[name], shape=(info.nbytes,))
+        return torch.from_numpy(array).view(info.dtype).reshape(info.shape)
 
     def byte_range(self, name: str) -> FileRange:
         """Where the bytes of tensor ``name`` lie in its shard."""

@@ -289,6 +289,8 @@ class MXFP4Rescale(NamedTuple):
 
 
 _NIBBLE_MAGNITUDES = 0x7777777777777777  # the 3 magnitude bits of each of 16 nibbles in a word
+GLOBAL_LOG2_SEGMENT = 2**16  # scales searched at once for candidate blocks by mxfp4_global_log2
+GLOBAL_LOG2_BATCH = 64  # candidate blocks it reads at once
 
 
 def _check_scales_pick_numpy(blocks: torch.Tensor, scales: torch.Tensor, name: str, path: str | None) -> bool:
@@ -321,14 +323,24 @@ def mxfp4_global_log2(blocks: torch.Tensor, scales: torch.Tensor, *, name: str =
 
     Computed chunk by chunk, the maximum of the per-chunk values is the value for the whole tensor
     (the rule is monotonic in ``emax``), which is how the converter gets one global per fused tensor.
+    Only blocks holding the largest scale byte are looked at, a segment of scales at a time, until
+    one is non-zero (on real weights, in the first segment): ``blocks`` may be a lazily read view
+    (:meth:`~trtllm_dflash.checkpoints.safetensors_io.ShardedReader.mapped`), so this pass reads
+    little more than the scales, a sixteenth of the tensor.
     """
-    use_numpy = _check_scales_pick_numpy(blocks, scales, name, path)
-    nonzero = _nonzero_blocks(blocks, use_numpy)
-    if use_numpy:
-        emax = int((scales.contiguous().numpy() * nonzero).max(initial=0)) - E8M0_BIAS
-    else:
-        emax = int((scales * nonzero).max()) - E8M0_BIAS if scales.numel() else -E8M0_BIAS
-    return min(max(emax - 8, -126), 127)
+    flat_scales, flat_blocks = scales.reshape(-1), blocks.reshape(-1, MXFP4_BLOCK // 2)
+    remaining = flat_scales
+    while remaining.numel():
+        value = int(remaining.max())
+        if value == 255:
+            _require_e8m0_finite(scales, name, path)  # raises, naming the first NaN scale
+        for start in range(0, flat_scales.numel(), GLOBAL_LOG2_SEGMENT):  # stops at the first non-zero candidate
+            candidates = torch.nonzero(flat_scales[start:start + GLOBAL_LOG2_SEGMENT] == value).flatten() + start
+            for batch in candidates.to(flat_blocks.device).split(GLOBAL_LOG2_BATCH):  # few pages of a mapped view
+                if bool(_nonzero_blocks(flat_blocks[batch], use_numpy=False).any()):
+                    return min(max(value - E8M0_BIAS - 8, -126), 127)
+        remaining = remaining[remaining < value]  # every block at this exponent is zero (rare)
+    return -126
 
 
 def mxfp4_to_nvfp4_scales(

@@ -49,6 +49,7 @@ class TrainConfig:
     num_features: int = 3
     intermediate_size: int | None = None  # None: 2x hidden
     prompt_tokens: int = 64
+    prompt_stride: int = 256  # corpus prompts start every this many tokens (a random half of them)
     response_tokens: int = 192
     num_samples: int = 2048
     anchors_per_sequence: int = 16
@@ -73,15 +74,17 @@ class TrainConfig:
 # ---------------------------------------------------------------------------- data
 
 
-def snippets_from_corpus(tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
-    """Deterministic prompts of `length` tokens cut from the stdlib training split."""
+def snippets_from_corpus(tokenizer, count: int, length: int, seed: int, stride: int) -> list[list[int]]:
+    """Deterministic prompts of `length` tokens cut from the stdlib training split: a random half
+    of the windows starting every `stride` tokens (2.67 M training tokens: stride 256 gives about
+    5,200 prompts of 64 tokens, stride 64 about 20,900)."""
     from .corpus import iter_texts
 
     gen = torch.Generator().manual_seed(seed)
     prompts: list[list[int]] = []
     for text in iter_texts("train"):
         ids = tokenizer.encode(text)
-        for start in range(0, max(len(ids) - length, 0), 4 * length):
+        for start in range(0, max(len(ids) - length, 0), stride):
             if torch.rand((), generator=gen) < 0.5:
                 prompts.append(ids[start: start + length])
     order = torch.randperm(len(prompts), generator=gen)[:count].tolist()
@@ -307,7 +310,8 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
             sequences = torch.load(data_path)
         else:
             prompts = (prompts_from_file(prompts_file, tokenizer, cfg.prompt_tokens) if data == "file"
-                       else snippets_from_corpus(tokenizer, cfg.num_samples, cfg.prompt_tokens, cfg.seed))
+                       else snippets_from_corpus(tokenizer, cfg.num_samples, cfg.prompt_tokens, cfg.seed,
+                                                 cfg.prompt_stride))
             prompts = [p for p in prompts if len(p) == cfg.prompt_tokens][: cfg.num_samples]
             if not prompts:
                 raise InputError(f"no prompt has {cfg.prompt_tokens} tokens.", field="--prompt-tokens")
@@ -397,6 +401,8 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
 @click.option("--num-features", default=TrainConfig.num_features, show_default=True)
 @click.option("--target-layer-ids", help="Comma-separated; default spreads --num-features over [1, L-3].")
 @click.option("--prompt-tokens", default=TrainConfig.prompt_tokens, show_default=True)
+@click.option("--prompt-stride", default=TrainConfig.prompt_stride, show_default=True,
+              help="Corpus prompts start every this many tokens (a random half of the windows is kept).")
 @click.option("--response-tokens", default=TrainConfig.response_tokens, show_default=True)
 @click.option("--num-samples", default=TrainConfig.num_samples, show_default=True)
 @click.option("--anchors", default=TrainConfig.anchors_per_sequence, show_default=True)
@@ -413,8 +419,8 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
 @click.option("--threads", type=int, help="torch CPU threads.")
 @click.option("--max-minutes", type=float, help="Stop (and checkpoint) after this long; re-run to resume.")
 def main(target_dir, out, data, prompts_file, mask_token_id, drafter_layers, block_size, num_features,
-         target_layer_ids, prompt_tokens, response_tokens, num_samples, anchors, batch_size, grad_accum, steps, lr,
-         seed, init_from, cache_features, device, threads, max_minutes):
+         target_layer_ids, prompt_tokens, prompt_stride, response_tokens, num_samples, anchors, batch_size,
+         grad_accum, steps, lr, seed, init_from, cache_features, device, threads, max_minutes):
     """Train a DFlash drafter on the target's own greedy continuations."""
     from ..cli.common import clean_errors, resolve_device
 
@@ -424,7 +430,8 @@ def main(target_dir, out, data, prompts_file, mask_token_id, drafter_layers, blo
             torch.set_num_threads(threads)
         cfg = TrainConfig(drafter_layers=drafter_layers, block_size=block_size, num_features=num_features,
                           target_layer_ids=[int(i) for i in target_layer_ids.split(",")] if target_layer_ids else None,
-                          prompt_tokens=prompt_tokens, response_tokens=response_tokens, num_samples=num_samples,
+                          prompt_tokens=prompt_tokens, prompt_stride=prompt_stride, response_tokens=response_tokens,
+                          num_samples=num_samples,
                           anchors_per_sequence=anchors, batch_size=batch_size, grad_accum=grad_accum, steps=steps,
                           lr=lr, seed=seed, init_from=str(init_from) if init_from else None,
                           cache_features=cache_features)
