@@ -548,6 +548,10 @@ def test_mapped_tensors_equal_read_ones_and_never_write_the_file(gptoss_dir):
     for name in reader.infos:
         view = reader.mapped(name)
         assert view.dtype == reader.infos[name].dtype and torch.equal(view, reader.read(name)), name
+        rows = reader.infos[name].shape[0] if reader.infos[name].shape else 0
+        for start, stop in ((1, None), (None, 2), (1, rows - 1), (rows, None)):
+            if rows:
+                assert torch.equal(reader.mapped(name, start, stop), reader.read(name, start, stop)), (name, start, stop)
         if view.numel():
             view.view(-1)[0] = 1 - view.view(-1)[0]  # copy-on-write: a private page, not the file
     assert {f: f.read_bytes() for f in before} == before

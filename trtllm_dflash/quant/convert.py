@@ -344,10 +344,9 @@ def _experts_to_nvfp4(reader: ShardedReader, p: SourceParam, input_amax: float |
 
     def pieces() -> Iterator[Piece]:
         if p.mxfp4:  # power-of-two global from the layer-wide largest block exponent: codes stay exact
-            blocks_map = reader.mapped(p.tensors[0])  # pass 1 reads scales, and blocks only where it must
-            log2 = max((mxfp4_global_log2(blocks_map[a:b], reader.read(p.tensors[1], a, b), name=p.name, path=path)
-                        for a, b in _row_ranges(e, rows)), default=-126)
-            del blocks_map  # unmaps it: its touched pages would count as resident for the rest of the tensor
+            # pass 1 reads the scales and maps the blocks, touching only those it must look at
+            log2 = max((mxfp4_global_log2(reader.mapped(p.tensors[0], a, b), reader.read(p.tensors[1], a, b),
+                                          name=p.name, path=path) for a, b in _row_ranges(e, rows)), default=-126)
 
             def encode(a: int, b: int) -> list[Piece]:
                 blocks, scales = reader.read(p.tensors[0], a, b), reader.read(p.tensors[1], a, b)
