@@ -10,6 +10,8 @@
    must equal the runtime's (max |diff| printed), else training and inference disagree.
 3. Training-mode accuracy over EVERY response position as anchor: P(slots 1..k all correct),
    the quantity the runtime's per-position acceptance measures, next to the runtime's own.
+4. With ``--responses RUN/responses.pt``: the same training-mode tau on the first ``--responses-count``
+   training sequences of a dflash-train run; next to (3) it shows how much the drafter over-fits.
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.train.drafter import RecordingProposer, drafter_block_logits
 
 
+def block_verdicts(drafter, target, sequence: torch.Tensor, first: int) -> torch.Tensor:
+    """Training-mode greedy verdicts [A, B-1] for every anchor from `first` whose block fits in `sequence` [1, L]."""
+    b = drafter.config.block_size
+    every = torch.arange(first, sequence.shape[1] - b + 1)[None]
+    logits = drafter_block_logits(drafter, target, sequence, every)[0]
+    return logits.argmax(-1) == sequence[0, every[0, :, None] + torch.arange(1, b)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=str)
@@ -35,6 +45,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--responses", type=str, help="a dflash-train run's responses.pt (training sequences)")
+    parser.add_argument("--responses-count", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of those sequences")
     parser.add_argument("--json", type=str, help="write the numbers here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -71,11 +84,7 @@ def main() -> None:
         agree += int((train_logits.argmax(-1) == runtime_logits.argmax(-1)).sum())
         total_slots += runtime_logits.shape[0] * runtime_logits.shape[1]
         # (3) every position whose whole block lies in the committed sequence
-        last = sequence.shape[1] - b
-        every = torch.arange(len(prompt), last + 1)[None]
-        logits = drafter_block_logits(drafter, target, sequence, every)[0]
-        labels = sequence[0, every[0, :, None] + torch.arange(1, b)]
-        correct = logits.argmax(-1) == labels  # [A, B-1]
+        correct = block_verdicts(drafter, target, sequence, len(prompt))  # [A, B-1]
         train_slot += correct.float().sum(0)
         train_correct += correct.long().cumprod(-1).float().sum(0)
         train_blocks += correct.shape[0]
@@ -102,12 +111,21 @@ def main() -> None:
         "max_abs_logit_diff_train_vs_runtime": max_diff, "argmax_agreement": agree / total_slots,
         "runtime_blocks": steps, "train_mode_blocks": train_blocks,
     }
+    if args.responses:
+        seen, seen_blocks = torch.zeros(b - 1), 0
+        for sequence in torch.load(args.responses)[: args.responses_count]:
+            correct = block_verdicts(drafter, target, sequence[None], args.prompt_tokens)
+            seen += correct.long().cumprod(-1).float().sum(0)
+            seen_blocks += correct.shape[0]
+        out["train_mode_tau_on_training_sequences"] = 1 + float((seen / seen_blocks).sum())
     fmt = lambda xs: " ".join(f"{x:.2f}" for x in xs)  # noqa: E731
     print(f"drafter={drafter_dir} prompts={len(prompts)} max_tokens={args.max_tokens}")
     print(f"runtime     per-position acceptance {fmt(runtime_pos)}  tau {runtime_tau:.2f} ({steps} blocks)")
     print(f"train-mode  P(slots 1..k correct)   {fmt(train_pos)}  tau {1 + sum(train_pos):.2f} ({train_blocks} blocks)")
     print(f"train-mode  replayed walk           {fmt(walk_pos)}  tau {walk_tau:.2f} ({walk_steps} blocks)")
     print(f"train-mode  P(slot k correct)       {fmt(out['train_mode_slot_accuracy'])}")
+    if args.responses:
+        print(f"train-mode  tau on {args.responses_count} training sequences {out['train_mode_tau_on_training_sequences']:.2f}")
     print(f"runtime anchors through the training forward: max |logit diff| {max_diff:.2e}, "
           f"argmax agreement {agree / total_slots:.4f}")
     if args.json:
