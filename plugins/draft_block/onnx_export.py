@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 import torch
 
-from . import ops  # noqa: F401  (registers torch.ops.dflash.*)  # noqa: F401 -- registers the dflash ops the exporter translates
+from . import ops  # noqa: F401 -- registers the torch.ops.dflash ops the exporter translates
 from .reference import draft_block_attention_reference
 
 DOMAIN = "dflash"
