@@ -2,7 +2,8 @@
 
 Reading: headers are parsed and validated up front (so a truncated file fails before any work,
 naming file and tensor); data is read one slice at a time through ``safetensors.safe_open``,
-re-opened per read so no memory map stays resident longer than one slice.
+re-opened per read so no memory map stays resident longer than one slice. ``ShardedReader.mapped``
+instead maps one tensor's rows lazily, for passes that look at only a few of their elements.
 
 Writing: the header of a shard is computed from the tensor list before any data exists, then
 pieces are written at their final offsets as they are produced. Memory is one piece, not one

@@ -18,10 +18,10 @@ reads: each quantized weight keeps its name and gains siblings
   deinterleaves them. bf16 experts use the same ``[E, in, out]`` layout.
 
 Memory stays flat in the number of layers: tensors are read slice by slice, experts are processed
-a few experts at a time (one at gpt-oss-120b size), and every piece is written straight to its final
-offset in its shard (whose layout is computed up front). A tensor-wide global scale takes a first,
-cheap pass over the tensor (MXFP4: scale bytes and a zero-block scan; otherwise the amax) before
-the encoding pass. Everything goes to a temporary sibling directory that is renamed into place at
+a few experts at a time (one per chunk at gpt-oss-120b size, two chunks encoded at once), and every
+piece is written straight to its final offset in its shard (whose layout is computed up front). A
+tensor-wide global scale takes a first, cheap pass over the tensor (MXFP4: the scale bytes, and
+only the blocks holding the largest exponent; otherwise the amax) before the encoding pass. Everything goes to a temporary sibling directory that is renamed into place at
 the end, so a failure never leaves a half-written checkpoint.
 
 Pass-through tensors (bf16 kept as is, MXFP4 kept by the ``mxfp4`` recipe) are copied shard to shard
