@@ -176,7 +176,7 @@ def drafter_block_logits(drafter: DFlashDrafter, target: GptOssTarget, sequences
     with torch.no_grad():
         hidden = drafter_hidden(drafter, target, sequences, anchors)
         hidden = hidden.view(*anchors.shape, b, -1)[:, :, 1:]
-        return target.hf.lm_head(hidden.to(target.dtype)).float()
+        return target.lm_head(hidden.to(target.dtype))
 
 
 class _LogitTap:
@@ -224,7 +224,7 @@ def drafter_loss(drafter: DFlashDrafter, target: GptOssTarget, sequences: torch.
     hidden = drafter_hidden(drafter, target, sequences, anchors, features)
     _, _, labels = block_inputs(sequences, anchors, b, drafter.config.mask_token_id)
     slots = torch.arange(hidden.shape[1], device=hidden.device) % b != 0  # slot 0 (anchor) has no loss
-    logits = target.hf.lm_head(hidden[:, slots].to(target.dtype)).float()
+    logits = target.lm_head(hidden[:, slots].to(target.dtype))
     k = (torch.arange(1, b, device=hidden.device)).repeat(anchors.shape[1])
     weights = torch.exp(-(k - 1) / gamma).expand(n, -1)
     losses = F.cross_entropy(logits.flatten(0, 1), labels[:, slots].flatten(), reduction="none").view(n, -1)
