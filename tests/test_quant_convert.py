@@ -518,7 +518,7 @@ def copy_source(src: Path, dst: Path) -> Path:
 def test_missing_config_is_an_input_error(gptoss_dir, tmp_path):
     src = copy_source(gptoss_dir, tmp_path / "src")
     (src / "config.json").unlink()
-    with pytest.raises(InputError, match="config.json: config.json not found"):
+    with pytest.raises(InputError, match="config.json: file not found"):
         convert_checkpoint(src, tmp_path / "o", progress=False)
 
 
@@ -540,6 +540,18 @@ def test_ordered_map_keeps_order_bounds_lookahead_and_raises():
     assert consumed == [i * i for i in range(7)]
     with pytest.raises(ValueError, match="item 7"):
         list(convert_mod.ordered_map(work, ((i,) for i in range(9)), threads=2))
+
+
+@pytest.mark.parametrize("shape", [(3, 5760 // 64, 1440 // 64), (2, 1, 7), (1, 9, 1), (4, 33, 17), (0, 4, 6)])
+def test_byte_transpose_matches_torch(shape):
+    """The OpenCV path for uint8 (odd and degenerate shapes, a non-contiguous input) and the torch
+    path for other dtypes both equal torch's own transpose."""
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randint(0, 256, shape[:-1] + (2 * shape[-1],), dtype=torch.uint8, generator=g)
+    for t in (wide[..., ::2], wide[..., : shape[-1]].float()):
+        out = convert_mod._transposed(t)
+        assert out.is_contiguous() and out.dtype == t.dtype
+        assert torch.equal(out, t.transpose(-1, -2))
 
 
 def test_mapped_tensors_equal_read_ones_and_never_write_the_file(gptoss_dir):

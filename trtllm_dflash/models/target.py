@@ -30,17 +30,19 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     The sink acts as one extra logit column with no value vector (gpt-oss). Returns [b, t, Hq*D].
     """
     b, hq, t, d = q.shape
-    hkv = k.shape[1]
-    q = q.view(b, hkv, hq // hkv, t, d)
-    scores = (q @ k[:, :, None].transpose(-1, -2)).float() * scale
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    hkv, length = k.shape[1], k.shape[2]
+    rows = hq // hkv * t
+    # A KV head's query heads go side by side as extra rows, so K/V are read where they lie (a cache
+    # slice) instead of being broadcast over the group, which copied the whole context every step.
+    scores = (q.reshape(b, hkv, rows, d) @ k.transpose(-1, -2)).float() * scale  # [b, Hkv, G*t, S]
+    scores = scores.view(b, hkv, hq // hkv, t, length).masked_fill(~mask[:, None, None], float("-inf"))
     if sinks is not None:
         sink = sinks.float().view(1, hkv, hq // hkv, 1, 1).expand(b, -1, -1, t, 1)
         scores = torch.cat([scores, sink], dim=-1)
     probs = torch.softmax(scores, dim=-1)
     if sinks is not None:
         probs = probs[..., :-1]
-    out = probs.to(v.dtype) @ v[:, :, None]  # [b, Hkv, G, t, D]
+    out = probs.to(v.dtype).reshape(b, hkv, rows, length) @ v  # [b, Hkv, G*t, D]
     return out.reshape(b, hq, t, d).transpose(1, 2).reshape(b, t, hq * d)
 
 

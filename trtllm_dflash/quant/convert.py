@@ -63,6 +63,7 @@ from trtllm_dflash.checkpoints.safetensors_io import (
     shard_names,
     write_index,
 )
+from trtllm_dflash.checkpoints.hf import read_json
 from trtllm_dflash.errors import InputError
 from trtllm_dflash.quant.codecs import (
     E2M1_MAX,
@@ -280,21 +281,18 @@ def _to_scaled(reader: ShardedReader, p: SourceParam, fmt: Format, input_amax: f
     return Job(outputs, pieces)
 
 
-TRANSPOSE_TILE = (512, 256)  # source rows x columns per numpy tile: ~1.6x faster than one big transpose
-
-
 def _transposed(t: torch.Tensor) -> torch.Tensor:
-    """``[k, a, b]`` -> contiguous ``[k, b, a]``; uint8 goes through numpy tile by tile (a plain byte
-    transpose that stays in cache: 4 ms for a 5760 x 1440 gpt-oss-120b expert on this host)."""
-    if t.dtype != torch.uint8 or t.device.type != "cpu":
+    """``[k, a, b]`` -> contiguous ``[k, b, a]``. CPU uint8 (FP4 codes, E4M3 scale bytes) goes through
+    OpenCV's SIMD transpose, one ``[a, b]`` slice at a time: about 10 GB/s on this host against 2.5 GB/s
+    for cache-sized numpy tiles and 1.4 GB/s for torch, and it releases the GIL like the numpy copies."""
+    if t.dtype != torch.uint8 or t.device.type != "cpu" or t.numel() == 0:
         return t.transpose(-1, -2).contiguous()
+    import cv2  # imported here: only the NVFP4 expert path needs it
+
     src = t.contiguous().numpy()
-    k, rows, cols = src.shape
-    out = np.empty((k, cols, rows), dtype=np.uint8)
-    tr, tc = TRANSPOSE_TILE
-    for i in range(0, rows, tr):
-        for j in range(0, cols, tc):
-            out[:, j:j + tc, i:i + tr] = src[:, i:i + tr, j:j + tc].transpose(0, 2, 1)
+    out = np.empty(src.shape[:1] + src.shape[:0:-1], dtype=np.uint8)
+    for i in range(src.shape[0]):
+        cv2.transpose(src[i], dst=out[i])
     return torch.from_numpy(out)
 
 
@@ -403,18 +401,6 @@ class ConversionResult:
     seconds: float = 0.0
 
 
-def _read_json(path: Path, what: str) -> dict:
-    if not path.is_file():
-        raise InputError(f"{what} not found", path=path)
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise InputError(f"not valid JSON ({e})", path=path) from None
-    if not isinstance(data, dict):
-        raise InputError("expected a JSON object", path=path)
-    return data
-
-
 def check_source(src: Path, config: dict) -> None:
     if (src / "hf_quant_config.json").exists():
         raise InputError(
@@ -448,7 +434,7 @@ def needs_input_amax(src: str | Path, recipe: str) -> list[str]:
     """The logical names :func:`convert_checkpoint` will refuse to convert ``src`` with ``recipe``
     without an ``input_amax`` entry for (reads only config.json and the safetensors headers)."""
     src = Path(src)
-    config = _read_json(src / "config.json", "config.json")
+    config = read_json(src / "config.json")
     params = source_params(ShardedReader(src))
     names = [p.name for p in params]
     plan = get_recipe(recipe, "gpt_oss" if is_gpt_oss(config, names) else None)
@@ -551,7 +537,7 @@ def convert_checkpoint(
         raise InputError(f"expected one of {sorted(KV_CACHE_ALGOS)}", field="kv_cache_dtype")
     if dst.exists() and not overwrite:
         raise InputError("output directory already exists (pass overwrite=True to replace it)", path=dst)
-    config = _read_json(src / "config.json", "config.json")
+    config = read_json(src / "config.json")
     check_source(src, config)
     reader = ShardedReader(src)
     params = source_params(reader)
