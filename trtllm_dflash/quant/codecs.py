@@ -317,6 +317,13 @@ def _nonzero_blocks(blocks: torch.Tensor, use_numpy: bool):
     return ((words[..., 0] | words[..., 1]) & _NIBBLE_MAGNITUDES) != 0
 
 
+def _global_log2(emax):
+    """``log2`` of the power-of-two NVFP4 global scale for largest non-zero block exponent ``emax``
+    (an int64 numpy scalar or array, or a torch tensor): the largest block then gets scale 2**8, the
+    largest power of two E4M3 holds; floored at 2**-126 like :func:`nvfp4_encode`."""
+    return (emax - 8).clip(-126, 127)
+
+
 def mxfp4_global_log2(blocks: torch.Tensor, scales: torch.Tensor, *, name: str = "tensor", path: str | None = None) -> int:
     """``log2`` of the power-of-two NVFP4 global scale :func:`mxfp4_to_nvfp4` picks for the WHOLE
     tensor (one scalar): ``emax - 8``, ``emax`` the largest non-zero block exponent, floored at -126.
@@ -338,9 +345,9 @@ def mxfp4_global_log2(blocks: torch.Tensor, scales: torch.Tensor, *, name: str =
             candidates = torch.nonzero(flat_scales[start:start + GLOBAL_LOG2_SEGMENT] == value).flatten() + start
             for batch in candidates.to(flat_blocks.device).split(GLOBAL_LOG2_BATCH):  # few pages of a mapped view
                 if bool(_nonzero_blocks(flat_blocks[batch], use_numpy=False).any()):
-                    return min(max(value - E8M0_BIAS - 8, -126), 127)
+                    return int(_global_log2(np.int64(value - E8M0_BIAS)))
         remaining = remaining[remaining < value]  # every block at this exponent is zero (rare)
-    return -126
+    return int(_global_log2(np.int64(-E8M0_BIAS)))  # no non-zero block: the floor
 
 
 def mxfp4_to_nvfp4_scales(
@@ -371,7 +378,7 @@ def _rescale_torch(scales: torch.Tensor, nonzero: torch.Tensor, scale_dims: int,
     # Everything below is byte arithmetic on E8M0 scale bytes s: exponent e = s - 127.
     if global_log2 is None:
         emax = (scales * nonzero).reshape(scales.shape[:scale_dims] + (-1,)).amax(dim=-1).to(torch.int64) - E8M0_BIAS
-        log2_g = (emax - 8).clamp(-126, 127)  # floor at 2**-126, like nvfp4_encode
+        log2_g = _global_log2(emax)
     else:
         log2_g = torch.tensor(global_log2, dtype=torch.int64, device=scales.device)
     # rel = e - log2_g, looked up (offset by 256 to be non-negative) in a table of E4M3 bytes of 2**rel
@@ -396,7 +403,7 @@ def _rescale_numpy(scales: torch.Tensor, nonzero: np.ndarray, scale_dims: int,
             emax = np.full(groups, -E8M0_BIAS, dtype=np.int64)
         else:
             emax = (s_g * nonzero_g).max(axis=1).astype(np.int64) - E8M0_BIAS
-        log2_g = np.clip(emax - 8, -126, 127)
+        log2_g = _global_log2(emax)
     # per group, the E4M3 byte of 2**(s - 127 - log2_g) for every scale byte s (0 = not representable)
     luts = _POW2_E4M3_TABLE[np.clip(np.arange(256)[None, :] - (log2_g + E8M0_BIAS - 256)[:, None], 0, 264)]
     if groups <= 64:
