@@ -21,8 +21,9 @@ Memory stays flat in the number of layers: tensors are read slice by slice, expe
 a few experts at a time (one per chunk at gpt-oss-120b size, two chunks encoded at once), and every
 piece is written straight to its final offset in its shard (whose layout is computed up front). A
 tensor-wide global scale takes a first, cheap pass over the tensor (MXFP4: the scale bytes, and
-only the blocks holding the largest exponent; otherwise the amax) before the encoding pass. Everything goes to a temporary sibling directory that is renamed into place at
-the end, so a failure never leaves a half-written checkpoint.
+only the blocks holding the largest exponent; otherwise the amax) before the encoding pass.
+Everything goes to a temporary sibling directory that is renamed into place at the end, so a
+failure never leaves a half-written checkpoint.
 
 Pass-through tensors (bf16 kept as is, MXFP4 kept by the ``mxfp4`` recipe) are copied shard to shard
 by the kernel (:func:`~trtllm_dflash.checkpoints.safetensors_io.copy_range`), never through Python.
@@ -53,6 +54,7 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
+from trtllm_dflash.checkpoints.hf import read_json
 from trtllm_dflash.checkpoints.safetensors_io import (
     FileRange,
     ShardedReader,
@@ -63,7 +65,6 @@ from trtllm_dflash.checkpoints.safetensors_io import (
     shard_names,
     write_index,
 )
-from trtllm_dflash.checkpoints.hf import read_json
 from trtllm_dflash.errors import InputError
 from trtllm_dflash.quant.codecs import (
     E2M1_MAX,
