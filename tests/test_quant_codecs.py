@@ -264,6 +264,21 @@ def test_mxfp4_to_nvfp4_scales_numpy_matches_torch(lead):
             assert fast.exact == (not bool(fast.out_of_range.any()))
 
 
+@pytest.mark.parametrize("segment", [1, 7, 64])
+def test_nonzero_blocks_segments_match_torch(monkeypatch, segment):
+    """The numpy non-zero test works a segment of blocks at a time: segment edges (a short last
+    segment, one block per segment) give the same answer as the torch test of the whole tensor."""
+    monkeypatch.setattr(codecs, "NONZERO_SEGMENT", segment)
+    g = torch.Generator().manual_seed(segment)
+    blocks = torch.randint(0, 256, (3, 50, 16), dtype=torch.uint8, generator=g)
+    pick = torch.rand(3, 50, generator=g)
+    blocks[pick < 0.3] = 0
+    blocks[(pick >= 0.3) & (pick < 0.4)] = 0x88  # sign bits only: -0 everywhere, still a zero block
+    fast = codecs._nonzero_blocks(blocks, use_numpy=True)
+    assert torch.equal(torch.from_numpy(fast), codecs._nonzero_blocks(blocks, use_numpy=False))
+    assert 0 < int(fast.sum()) < fast.size
+
+
 def test_mxfp4_to_nvfp4_scales_flag_exact_chunks():
     g = torch.Generator().manual_seed(8)
     blocks = torch.randint(0, 256, (2, 4, 3, 16), dtype=torch.uint8, generator=g) | 0x11  # every block non-zero

@@ -35,7 +35,7 @@ from .hf import INDEX_FILE, SINGLE_FILE, index_weight_map, safetensors_files
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # same sanity limit the safetensors library applies
 COPY_BUFFER_BYTES = 16 * 2**20  # buffered-copy fallback granularity
 MAX_PENDING_COPIES = 4  # file-range copies / background writes queued behind the one running, per writer
-BACKGROUND_WRITE_BYTES = 2**20  # smaller tensor pieces are written in the caller's thread
+BACKGROUND_WRITE_BYTES = 2**20  # smaller pieces go in the caller's thread unless a background write is pending
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -257,7 +257,8 @@ class StreamingShardWriter:
             self._submit(copy_range, piece, self._fd, position)
         else:
             data = memoryview(piece.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
-            if background and nbytes >= BACKGROUND_WRITE_BYTES:
+            # behind a pending write: writing now, from this thread, would contend for the file's lock
+            if background and (nbytes >= BACKGROUND_WRITE_BYTES or self._copies):
                 self._submit(_pwrite_all, self._fd, data, position)  # ``data`` keeps the buffer alive
             else:
                 _pwrite_all(self._fd, data, position)
