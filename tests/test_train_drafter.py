@@ -15,7 +15,7 @@ from trtllm_dflash.runtime.proposers import DFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.train.drafter import (RecordingProposer, TrainConfig, block_inputs, drafter_block_logits,
-                                         sample_anchors, train, training_mask)
+                                         mix_anchors, sample_anchors, train, training_mask, walk_anchors)
 
 
 def test_training_mask_follows_the_three_rules():
@@ -45,6 +45,23 @@ def test_block_inputs_anchor_masks_and_labels():
     assert labels.tolist() == [[103, 104, 105, 106, 110, 111, 112, 113]]  # slot k predicts its own position
 
 
+def test_walk_anchors_follow_the_runtime():
+    """The next anchor is one past the accepted prefix: the verify keeps the leading correct drafts
+    and the target's own token follows (a wrong slot 1 drafts again right after the anchor)."""
+    anchors = torch.tensor([[3, 10, 20]])
+    correct = torch.tensor([[[True, True, False], [False, True, True], [True, True, True]]])
+    assert walk_anchors(anchors, correct).tolist() == [[6, 11, 24]]
+
+
+def test_mix_anchors_takes_walk_positions_then_uniform_ones():
+    uniform = torch.tensor([[2, 5, 7, 9], [1, 3, 4, 8]])
+    candidates = torch.tensor([[5, 6, 6, 30], [-1, -1, -1, -1]])  # a repeat, one past `last`; none yet
+    mixed = mix_anchors(uniform, candidates, fraction=0.75, last=20)
+    # row 0: walk positions 5 and 6 (6 once, 30 out of range), then uniform ones not already taken
+    assert mixed.tolist() == [[2, 5, 6, 7], [1, 3, 4, 8]]
+    assert mix_anchors(uniform, candidates, fraction=0.0, last=20).tolist() == uniform.tolist()
+
+
 def test_short_run_learns_resumes_and_writes_a_loadable_drafter(tmp_path):
     # Larger initial weights than the shared fixture: a near-uniform LM head would make the
     # drafter's (frozen, borrowed) logits too flat to show learning in 40 steps.
@@ -58,10 +75,13 @@ def test_short_run_learns_resumes_and_writes_a_loadable_drafter(tmp_path):
                       anchors_per_sequence=4, batch_size=8, steps=12, lr=1e-2, save_every_s=1e9)
     out = tmp_path / "run"
     train(target_dir, out, cfg, "file", prompts, None, torch.device("cpu"), None)
-    cfg.steps, cfg.cache_features = 40, True  # the resumed part runs on cached (bf16) target features
+    # the resumed part runs on cached (bf16) target features, half its anchors at walk positions
+    cfg.steps, cfg.cache_features, cfg.walk_anchor_fraction = 40, True, 0.5
     drafter_dir = train(target_dir, out, cfg, "file", prompts, None, torch.device("cpu"), None)  # resumes at 12
     history = json.loads((out / "history.json").read_text())["loss"]
     assert len(history) == 40
+    walk = torch.load(out / "checkpoint.pt", weights_only=False)["walk"]
+    assert (walk >= 16).sum() > 0  # walk positions were recorded (and checkpointed) for later visits
     assert sum(history[-5:]) / 5 < 0.9 * sum(history[:5]) / 5
 
     target = GptOssTarget(load_hf_gpt_oss(target_dir))

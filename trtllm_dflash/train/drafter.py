@@ -15,6 +15,10 @@ nanoGPT style: the hyper-parameters are the flags below, the loop is plain PyTor
 3. Loss: cross-entropy on block slots k = 1..B-1 predicting x_{anchor+k}, weighted exp(-(k-1)/gamma)
    (gamma 7/5/4 for B 16/10/8 in the paper), normalised by the weights. Embeddings and LM head are
    the target's, frozen; `fc`, norms and drafter layers train.
+   Optional (`--walk-anchors F`, not in the paper): a fraction F of each sequence's anchors is drawn
+   where the runtime would draft next after the blocks of that sequence's previous visit, i.e. one
+   past each block's accepted prefix (`walk_anchors`). The runtime drafts from the bonus token after
+   a rejection, so its anchors sit where drafting failed; uniform anchors under-train those.
 4. AdamW, cosine schedule with linear warm-up, grad clip 1.0, gradient accumulation, bf16 autocast
    on CUDA, checkpoint/resume (`<out>/checkpoint.pt`, also on Ctrl-C), rich progress with loss/ETA.
 Output: a z-lab layout drafter (`<out>/drafter/`) that our runtime and TensorRT-LLM load.
@@ -53,6 +57,7 @@ class TrainConfig:
     response_tokens: int = 192
     num_samples: int = 2048
     anchors_per_sequence: int = 16
+    walk_anchor_fraction: float = 0.0  # share of anchors drawn at the previous visit's walk positions
     gamma: float | None = None  # None: the paper's value for the block size
     batch_size: int = 16
     grad_accum: int = 1
@@ -121,6 +126,30 @@ def sample_anchors(num_sequences: int, anchors: int, first: int, last: int, gen:
     """[N, A] distinct anchor positions per sequence in [first, last], sorted."""
     choices = torch.rand(num_sequences, last - first + 1, generator=gen).argsort(dim=1)[:, :anchors]
     return (choices + first).sort(dim=1).values
+
+
+def walk_anchors(anchors: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
+    """Where the runtime would draft next after each block: [N, A] anchors + accepted prefix + 1.
+
+    `correct` [N, A, B-1]: did slot k's greedy draft equal x_{anchor+k}. The verify accepts the
+    leading run of correct slots and the target's own token follows, which anchors the next block."""
+    accepted = correct.int().cumprod(dim=-1).sum(dim=-1)
+    return anchors + accepted + 1
+
+
+def mix_anchors(uniform: torch.Tensor, candidates: torch.Tensor, fraction: float, last: int) -> torch.Tensor:
+    """[N, A] sorted distinct anchors: per row up to round(fraction * A) of the row's `candidates`
+    (walk positions from its previous visit; -1 or past `last` = none), the rest from `uniform`
+    (already distinct and in range) in their order."""
+    n, a = uniform.shape
+    take = round(fraction * a)
+    rows = []
+    for row_uniform, row_candidates in zip(uniform.tolist(), candidates.tolist()):
+        chosen = list(dict.fromkeys(c for c in row_candidates if 0 <= c <= last))[:take]
+        seen = set(chosen)
+        chosen += [u for u in row_uniform if u not in seen][: a - len(chosen)]
+        rows.append(sorted(chosen))
+    return torch.tensor(rows, dtype=uniform.dtype)
 
 
 def training_mask(anchors: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
@@ -218,7 +247,9 @@ class RecordingProposer(DFlashProposer):
 
 
 def drafter_loss(drafter: DFlashDrafter, target: GptOssTarget, sequences: torch.Tensor, anchors: torch.Tensor,
-                 gamma: float, features: torch.Tensor | None = None) -> torch.Tensor:
+                 gamma: float, features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weighted block loss, and where the runtime would draft after each block ([n, A],
+    :func:`walk_anchors` of this forward's greedy drafts; no gradient)."""
     b = drafter.config.block_size
     n = sequences.shape[0]
     hidden = drafter_hidden(drafter, target, sequences, anchors, features)
@@ -228,7 +259,9 @@ def drafter_loss(drafter: DFlashDrafter, target: GptOssTarget, sequences: torch.
     k = (torch.arange(1, b, device=hidden.device)).repeat(anchors.shape[1])
     weights = torch.exp(-(k - 1) / gamma).expand(n, -1)
     losses = F.cross_entropy(logits.flatten(0, 1), labels[:, slots].flatten(), reduction="none").view(n, -1)
-    return (losses * weights).sum() / weights.sum()
+    with torch.no_grad():
+        correct = (logits.argmax(dim=-1) == labels[:, slots]).view(n, anchors.shape[1], b - 1)
+    return (losses * weights).sum() / weights.sum(), walk_anchors(anchors, correct)
 
 
 def cosine_lr(step: int, total: int, peak: float, warmup: int) -> float:
@@ -327,12 +360,15 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
                                        {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
         gen = torch.Generator().manual_seed(cfg.seed)
         step, history = 0, []
+        # per sequence, where the runtime would have drafted after its last visit's blocks (-1: none yet)
+        walk = torch.full((len(sequences), cfg.anchors_per_sequence), -1, dtype=torch.int64)
         if checkpoint_path.is_file():
             state = torch.load(checkpoint_path, weights_only=False)
             drafter.load_state_dict(state["drafter"])
             optimizer.load_state_dict(state["optimizer"])
             gen.set_state(state["generator"])
             step, history = state["step"], state["history"]
+            walk = state.get("walk", walk)
         elif cfg.init_from:
             fresh = warm_start(drafter, Path(cfg.init_from))
             progress.console.log(f"warm start from {cfg.init_from}; {len(fresh)} tensors new: {fresh}")
@@ -340,7 +376,7 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
         def save() -> None:
             tmp = checkpoint_path.with_suffix(".tmp")
             torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                        "generator": gen.get_state(), "history": history, "config": asdict(cfg)}, tmp)
+                        "generator": gen.get_state(), "history": history, "walk": walk, "config": asdict(cfg)}, tmp)
             tmp.replace(checkpoint_path)
 
         feature_cache = None
@@ -365,12 +401,16 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
                 for _ in range(cfg.grad_accum):
                     rows = torch.randint(0, len(sequences), (cfg.batch_size,), generator=gen)
                     batch = sequences[rows].to(device)
-                    anchors = sample_anchors(cfg.batch_size, cfg.anchors_per_sequence, first, last, gen).to(device)
+                    anchors = sample_anchors(cfg.batch_size, cfg.anchors_per_sequence, first, last, gen)
+                    if cfg.walk_anchor_fraction > 0:
+                        anchors = mix_anchors(anchors, walk[rows], cfg.walk_anchor_fraction, last)
                     features = None if feature_cache is None else feature_cache[rows].to(device, torch.float32)
                     with autocast:
-                        loss = drafter_loss(drafter, target, batch, anchors, cfg.decay(), features) / cfg.grad_accum
-                    loss.backward()
-                    total += loss.item()
+                        loss, next_anchors = drafter_loss(drafter, target, batch, anchors.to(device), cfg.decay(),
+                                                          features)
+                    (loss / cfg.grad_accum).backward()
+                    walk[rows] = next_anchors.cpu()
+                    total += loss.item() / cfg.grad_accum
                 torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -406,6 +446,9 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
 @click.option("--response-tokens", default=TrainConfig.response_tokens, show_default=True)
 @click.option("--num-samples", default=TrainConfig.num_samples, show_default=True)
 @click.option("--anchors", default=TrainConfig.anchors_per_sequence, show_default=True)
+@click.option("--walk-anchors", "walk_anchor_fraction", default=TrainConfig.walk_anchor_fraction, show_default=True,
+              type=click.FloatRange(0, 1),
+              help="Share of anchors drawn where the runtime would draft next after the previous visit's blocks.")
 @click.option("--batch-size", default=TrainConfig.batch_size, show_default=True)
 @click.option("--grad-accum", default=TrainConfig.grad_accum, show_default=True)
 @click.option("--steps", default=TrainConfig.steps, show_default=True)
@@ -419,8 +462,8 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
 @click.option("--threads", type=int, help="torch CPU threads.")
 @click.option("--max-minutes", type=float, help="Stop (and checkpoint) after this long; re-run to resume.")
 def main(target_dir, out, data, prompts_file, mask_token_id, drafter_layers, block_size, num_features,
-         target_layer_ids, prompt_tokens, prompt_stride, response_tokens, num_samples, anchors, batch_size,
-         grad_accum, steps, lr, seed, init_from, cache_features, device, threads, max_minutes):
+         target_layer_ids, prompt_tokens, prompt_stride, response_tokens, num_samples, anchors, walk_anchor_fraction,
+         batch_size, grad_accum, steps, lr, seed, init_from, cache_features, device, threads, max_minutes):
     """Train a DFlash drafter on the target's own greedy continuations."""
     from ..cli.common import clean_errors, resolve_device
 
@@ -431,9 +474,9 @@ def main(target_dir, out, data, prompts_file, mask_token_id, drafter_layers, blo
         cfg = TrainConfig(drafter_layers=drafter_layers, block_size=block_size, num_features=num_features,
                           target_layer_ids=[int(i) for i in target_layer_ids.split(",")] if target_layer_ids else None,
                           prompt_tokens=prompt_tokens, prompt_stride=prompt_stride, response_tokens=response_tokens,
-                          num_samples=num_samples,
-                          anchors_per_sequence=anchors, batch_size=batch_size, grad_accum=grad_accum, steps=steps,
-                          lr=lr, seed=seed, init_from=str(init_from) if init_from else None,
+                          num_samples=num_samples, anchors_per_sequence=anchors,
+                          walk_anchor_fraction=walk_anchor_fraction, batch_size=batch_size, grad_accum=grad_accum,
+                          steps=steps, lr=lr, seed=seed, init_from=str(init_from) if init_from else None,
                           cache_features=cache_features)
         path = train(target_dir, out, cfg, "file" if prompts_file else data, prompts_file, mask_token_id,
                      resolve_device(device), max_minutes)
