@@ -141,7 +141,7 @@ def mix_anchors(uniform: torch.Tensor, candidates: torch.Tensor, fraction: float
     """[N, A] sorted distinct anchors: per row up to round(fraction * A) of the row's `candidates`
     (walk positions from its previous visit; -1 or past `last` = none), the rest from `uniform`
     (already distinct and in range) in their order."""
-    n, a = uniform.shape
+    a = uniform.shape[1]
     take = round(fraction * a)
     rows = []
     for row_uniform, row_candidates in zip(uniform.tolist(), candidates.tolist()):
@@ -368,7 +368,8 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
             optimizer.load_state_dict(state["optimizer"])
             gen.set_state(state["generator"])
             step, history = state["step"], state["history"]
-            walk = state.get("walk", walk)
+            if state.get("walk") is not None and state["walk"].shape == walk.shape:  # same data and --anchors
+                walk = state["walk"]
         elif cfg.init_from:
             fresh = warm_start(drafter, Path(cfg.init_from))
             progress.console.log(f"warm start from {cfg.init_from}; {len(fresh)} tensors new: {fresh}")
