@@ -25,6 +25,7 @@ from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
 from trtllm_dflash.models.drafter import load_drafter
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
+from trtllm_dflash.runtime.accept import accepted_prefix_length
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.train.drafter import RecordingProposer, drafter_block_logits
@@ -90,7 +91,7 @@ def main() -> None:
         train_blocks += correct.shape[0]
         # the runtime's walk replayed on the training-mode verdicts: anchor s keeps a drafts, the
         # next anchor is s + a + 1. Blocks land densely where drafting fails, sparsely where it works.
-        accepted = correct.long().cumprod(-1).sum(-1).tolist()
+        accepted = accepted_prefix_length(correct).tolist()
         s, limit = 0, len(prompt) + args.max_tokens - 1
         while len(prompt) + s < limit and s < len(accepted):
             walk_hist[accepted[s]] += 1

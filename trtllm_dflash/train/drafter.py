@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from ..errors import InputError
 from ..models.drafter import DFlashConfig, DFlashDrafter, default_target_layer_ids, save_drafter
 from ..models.target import GptOssTarget
+from ..runtime.accept import accepted_prefix_length
 from ..runtime.proposers import DFlashProposer
 
 
@@ -133,8 +134,7 @@ def walk_anchors(anchors: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
 
     `correct` [N, A, B-1]: did slot k's greedy draft equal x_{anchor+k}. The verify accepts the
     leading run of correct slots and the target's own token follows, which anchors the next block."""
-    accepted = correct.int().cumprod(dim=-1).sum(dim=-1)
-    return anchors + accepted + 1
+    return anchors + accepted_prefix_length(correct) + 1
 
 
 def mix_anchors(uniform: torch.Tensor, candidates: torch.Tensor, fraction: float, last: int) -> torch.Tensor:
