@@ -247,9 +247,10 @@ class RecordingProposer(DFlashProposer):
 
 
 def drafter_loss(drafter: DFlashDrafter, target: GptOssTarget, sequences: torch.Tensor, anchors: torch.Tensor,
-                 gamma: float, features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weighted block loss, and where the runtime would draft after each block ([n, A],
-    :func:`walk_anchors` of this forward's greedy drafts; no gradient)."""
+                 gamma: float, features: torch.Tensor | None = None,
+                 walk: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weighted block loss and, with `walk`, where the runtime would draft after each block
+    ([n, A], :func:`walk_anchors` of this forward's greedy drafts; no gradient), else None."""
     b = drafter.config.block_size
     n = sequences.shape[0]
     hidden = drafter_hidden(drafter, target, sequences, anchors, features)
@@ -259,9 +260,12 @@ def drafter_loss(drafter: DFlashDrafter, target: GptOssTarget, sequences: torch.
     k = (torch.arange(1, b, device=hidden.device)).repeat(anchors.shape[1])
     weights = torch.exp(-(k - 1) / gamma).expand(n, -1)
     losses = F.cross_entropy(logits.flatten(0, 1), labels[:, slots].flatten(), reduction="none").view(n, -1)
+    loss = (losses * weights).sum() / weights.sum()
+    if not walk:
+        return loss, None
     with torch.no_grad():
         correct = (logits.argmax(dim=-1) == labels[:, slots]).view(n, anchors.shape[1], b - 1)
-    return (losses * weights).sum() / weights.sum(), walk_anchors(anchors, correct)
+    return loss, walk_anchors(anchors, correct)
 
 
 def cosine_lr(step: int, total: int, peak: float, warmup: int) -> float:
@@ -403,14 +407,16 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
                     rows = torch.randint(0, len(sequences), (cfg.batch_size,), generator=gen)
                     batch = sequences[rows].to(device)
                     anchors = sample_anchors(cfg.batch_size, cfg.anchors_per_sequence, first, last, gen)
-                    if cfg.walk_anchor_fraction > 0:
+                    use_walk = cfg.walk_anchor_fraction > 0
+                    if use_walk:
                         anchors = mix_anchors(anchors, walk[rows], cfg.walk_anchor_fraction, last)
                     features = None if feature_cache is None else feature_cache[rows].to(device, torch.float32)
                     with autocast:
                         loss, next_anchors = drafter_loss(drafter, target, batch, anchors.to(device), cfg.decay(),
-                                                          features)
+                                                          features, walk=use_walk)
                     (loss / cfg.grad_accum).backward()
-                    walk[rows] = next_anchors.cpu()
+                    if use_walk:
+                        walk[rows] = next_anchors.cpu()
                     total += loss.item() / cfg.grad_accum
                 torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
                 optimizer.step()
