@@ -58,6 +58,17 @@ def test_split_is_disjoint_deterministic_and_by_hash(split):
     json.dumps(rec)
 
 
+def test_corpus_v2_adds_test_suites_and_moves_no_v1_file(split):
+    v2 = corpus.split_files(version=2)
+    assert set(split["train"]) < set(v2["train"]) and set(split["heldout"]) < set(v2["heldout"])
+    assert not set(v2["train"]) & set(v2["heldout"])
+    added = set(v2["train"]) - set(split["train"])
+    assert all("test" in f.split("/")[:-1] for f in added)
+    assert not any(part in {"tests", "idle_test"} for f in added for part in f.split("/")[:-1])
+    assert all(corpus.is_heldout(f) for f in v2["heldout"])
+    assert corpus.split_record(version=2)["corpus_version"] == 2
+
+
 def test_heldout_prompts_come_from_heldout_files(split):
     prompts = corpus.heldout_prompts(50)
     assert prompts == corpus.heldout_prompts(50)
@@ -107,9 +118,9 @@ def test_training_steps_decrease_loss(tok_dir):
     assert losses[-1] < losses[0] - 1.0
 
 
-def _fake_texts(split_name: str):
+def _fake_texts(split_name: str, root=None, version: int = 1):
     root = corpus.stdlib_root()
-    files = corpus.split_files()[split_name][:3]
+    files = corpus.split_files(version=version)[split_name][:3]
     return iter(corpus.read_source(root / f)[:4000] for f in files)
 
 
@@ -142,6 +153,19 @@ def test_resume_continues_same_steps_and_weights(tmp_path, tok_dir, monkeypatch)
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
     evals = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [6] and evals[0]["heldout_loss"] > 0
+
+
+def test_init_from_starts_a_new_run_from_the_weights_and_the_corpus_is_fixed(tmp_path, tok_dir, monkeypatch):
+    _run(tmp_path / "a", tok_dir, monkeypatch)
+    source = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=False)
+    meta = target.train(tmp_path / "b", tok_dir, total_steps=0, max_minutes=1, init_from=tmp_path / "a" / "ckpt.pt")
+    assert meta["step"] == 0 and meta["init_from"] == str(tmp_path / "a" / "ckpt.pt")
+    started = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)
+    for k, v in source["model"].items():
+        torch.testing.assert_close(started["model"][k], v, rtol=0, atol=0, msg=k)
+    assert not started["optimizer"]["state"]  # fresh optimizer: a warm restart, not a resume
+    with pytest.raises(SystemExit, match="started on corpus v1, not v2"):
+        target.train(tmp_path / "b", tok_dir, total_steps=1, max_minutes=1, corpus_version=2)
 
 
 def test_export_is_gpt_oss_mxfp4_and_loads_with_transformers(tmp_path, tok_dir):

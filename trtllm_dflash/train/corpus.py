@@ -15,6 +15,11 @@ File rules (applied to the relative paths below ``sysconfig.get_paths()["stdlib"
   lines say "generated" (codec tables made by gencodec.py, token lists: machine output, not code
   to learn from), files that are not valid UTF-8, and empty files.
 
+Corpus versions: v1 (the corpus of the shipped pair) applies the rules above. v2 also takes the
+test suites in directories named ``test`` (CPython's own ``test`` package and the ``*/test``
+packages of unittest, ctypes, tkinter, ...; about 1.7x v1's text), because v1 is too small for the
+target: it over-fits after a few passes. lib2to3's ``tests`` and idlelib's ``idle_test`` stay out.
+
 Split: by *file*, so no held-out text is ever seen in training. A file is held out when the first
 8 bytes of ``sha256(relative path)`` taken as an integer fall below ``HELDOUT_FRACTION`` of 2**64;
 this depends only on the path, so the split is stable across runs and machines and adding or
@@ -37,6 +42,7 @@ MAX_FILE_BYTES = 256_000
 GENERATED_HEAD_LINES = 10
 HELDOUT_FRACTION = 0.05
 SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "pydoc_data", "__pycache__", "lib-dynload"})
+SKIP_DIRS_OF_VERSION = {1: SKIP_DIRS, 2: SKIP_DIRS - {"test"}}
 SKIP_FILE_PREFIXES = ("_sysconfigdata",)
 
 # Held-out prompts: snippets of PROMPT_MIN_LINES..PROMPT_MAX_LINES whole lines.
@@ -81,32 +87,33 @@ def read_source(path: Path) -> str | None:
     return text.replace("\r\n", "\n")
 
 
-def list_files(root: Path | None = None) -> list[str]:
-    """Sorted relative paths of every corpus file (both splits)."""
+def list_files(root: Path | None = None, version: int = 1) -> list[str]:
+    """Sorted relative paths of every file of corpus ``version`` (both splits)."""
     root = root or stdlib_root()
+    skip_dirs = SKIP_DIRS_OF_VERSION[version]
     out = []
     for p in root.rglob("*.py"):
         rel = p.relative_to(root)
-        if any(part in SKIP_DIRS for part in rel.parts[:-1]) or rel.name.startswith(SKIP_FILE_PREFIXES):
+        if any(part in skip_dirs for part in rel.parts[:-1]) or rel.name.startswith(SKIP_FILE_PREFIXES):
             continue
         if p.is_file() and read_source(p) is not None:
             out.append(rel.as_posix())
     return sorted(out)
 
 
-def split_files(root: Path | None = None) -> dict[str, list[str]]:
+def split_files(root: Path | None = None, version: int = 1) -> dict[str, list[str]]:
     """``{"train": [...], "heldout": [...]}``, each sorted."""
-    files = list_files(root)
+    files = list_files(root, version)
     return {
         "train": [f for f in files if not is_heldout(f)],
         "heldout": [f for f in files if is_heldout(f)],
     }
 
 
-def iter_texts(split: str, root: Path | None = None) -> Iterator[str]:
-    """Text of each file of ``split`` ("train" or "heldout"), in sorted path order."""
+def iter_texts(split: str, root: Path | None = None, version: int = 1) -> Iterator[str]:
+    """Text of each file of ``split`` ("train" or "heldout") of corpus ``version``, in sorted path order."""
     root = root or stdlib_root()
-    for rel in split_files(root)[split]:
+    for rel in split_files(root, version)[split]:
         text = read_source(root / rel)
         assert text is not None, rel
         yield text
@@ -120,6 +127,8 @@ def heldout_prompts(n: int = NUM_PROMPTS, seed: int = PROMPT_SEED, root: Path | 
     at the end of its last line *without* the newline: the byte-level BPE merges a newline with the
     next line's indentation into one token, so a prompt ending in a bare newline forces a token
     boundary the model has mostly seen right before end-of-file (it then tends to emit EOS).
+    Prompts always come from v1's held-out library files, so every corpus version is measured on
+    the same prompts.
     """
     root = root or stdlib_root()
     files = split_files(root)["heldout"]
@@ -139,10 +148,10 @@ def heldout_prompts(n: int = NUM_PROMPTS, seed: int = PROMPT_SEED, root: Path | 
     return prompts
 
 
-def split_record(root: Path | None = None) -> dict:
+def split_record(root: Path | None = None, version: int = 1) -> dict:
     """JSON-ready description of the split for the model card: version, rules, counts, hash, list."""
     root = root or stdlib_root()
-    split = split_files(root)
+    split = split_files(root, version)
     listing = "".join(f"{s}\t{f}\n" for s in ("train", "heldout") for f in split[s])
 
     def nbytes(files: list[str]) -> int:
@@ -150,11 +159,12 @@ def split_record(root: Path | None = None) -> dict:
 
     return {
         "source": "Python standard library of the training interpreter",
+        "corpus_version": version,
         "python_version": sys.version.split()[0],
         "implementation": sys.implementation.name,
         "rules": {
             "glob": "*.py",
-            "skip_dirs": sorted(SKIP_DIRS),
+            "skip_dirs": sorted(SKIP_DIRS_OF_VERSION[version]),
             "skip_file_prefixes": list(SKIP_FILE_PREFIXES),
             "max_file_bytes": MAX_FILE_BYTES,
             "skip_if_head_says_generated_lines": GENERATED_HEAD_LINES,
@@ -171,8 +181,9 @@ def main() -> None:
     """Write the split record JSON (``python -m trtllm_dflash.train.corpus --out split.json``)."""
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--version", type=int, choices=sorted(SKIP_DIRS_OF_VERSION), default=1)
     args = ap.parse_args()
-    rec = split_record()
+    rec = split_record(version=args.version)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rec, indent=1) + "\n")
     print(json.dumps(rec["counts"]), rec["list_sha256"])

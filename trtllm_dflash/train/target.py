@@ -17,7 +17,11 @@ Training re-runs are resumable: the same command picks up ``<out>/ckpt.pt`` (mod
 step, RNG). The batch of step ``s`` is drawn from a generator seeded by ``(SEED, s)``, so the data
 position is the step itself and a resumed run sees exactly the batches an uninterrupted one would.
 The cosine schedule is defined over ``--total-steps``, so one schedule can span many invocations
-(each bounded by ``--max-minutes``).
+(each bounded by ``--max-minutes``). ``--init-from`` starts a new run from another run's weights
+(a fresh optimizer and schedule: a warm restart), e.g. to continue the shipped target on corpus v2:
+
+    python -m trtllm_dflash.train.target --out runs/target2 --init-from runs/target/best.pt \
+        --corpus-version 2 --lr 1e-3 --total-steps 4500 --max-minutes 135
 """
 
 from __future__ import annotations
@@ -134,11 +138,11 @@ def build_model(config: GptOssConfig, seed: int = SEED) -> GptOssForCausalLM:
 # data
 
 
-def tokenize_split(tokenizer, split: str, path: Path) -> np.memmap:
+def tokenize_split(tokenizer, split: str, path: Path, corpus_version: int = 1) -> np.memmap:
     """Tokenize every file of ``split`` once into a uint16 memmap, each file followed by EOS."""
     if not path.exists():
         ids: list[int] = []
-        for text in corpus.iter_texts(split):
+        for text in corpus.iter_texts(split, version=corpus_version):
             ids.extend(tokenizer.encode(text))
             ids.append(tokenizer.eos_token_id)
         tmp = path.with_suffix(".tmp")
@@ -257,24 +261,35 @@ class Progress:
             self.bar.stop()
 
 
-def prepare_run(out: Path, tokenizer_dir: Path):
+def prepare_run(out: Path, tokenizer_dir: Path, corpus_version: int = 1):
     """Copy the tokenizer into the run (self-contained) and pre-tokenize both splits once."""
     tok_dir = out / "tokenizer"
     if not tok_dir.exists():
         shutil.copytree(tokenizer_dir, tok_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    (out / "corpus_split.json").write_text(json.dumps(corpus.split_record(), indent=1) + "\n")
-    train = tokenize_split(tokenizer, "train", out / "train.bin")
-    held = tokenize_split(tokenizer, "heldout", out / "heldout.bin")
+    recorded = out / "corpus_split.json"
+    if recorded.exists():  # train.bin / heldout.bin of a started run hold its own corpus
+        started = json.loads(recorded.read_text()).get("corpus_version", 1)
+        if started != corpus_version:
+            raise SystemExit(f"error: {recorded}: the run was started on corpus v{started}, not v{corpus_version}")
+    record = corpus.split_record(version=corpus_version)
+    (out / "corpus_split.json").write_text(json.dumps(record, indent=1) + "\n")
+    train = tokenize_split(tokenizer, "train", out / "train.bin", corpus_version)
+    held = tokenize_split(tokenizer, "heldout", out / "heldout.bin", corpus_version)
     return tokenizer, train, held
 
 
 def train(out: Path, tokenizer_dir: Path, total_steps: int, max_minutes: float, seq_len: int = SEQ_LEN,
           long_seq_len: int = LONG_SEQ_LEN, lr: float = LR, eval_every: int = EVAL_EVERY,
-          save_minutes: float = SAVE_MINUTES, log_every: int = LOG_EVERY, config_overrides: dict | None = None) -> dict:
-    """Run (or resume) training until ``total_steps`` or ``max_minutes``; returns the final metadata."""
+          save_minutes: float = SAVE_MINUTES, log_every: int = LOG_EVERY, config_overrides: dict | None = None,
+          corpus_version: int = 1, init_from: Path | None = None) -> dict:
+    """Run (or resume) training until ``total_steps`` or ``max_minutes``; returns the final metadata.
+
+    A new run starts from ``init_from``'s weights (a checkpoint of another run) when given; a run
+    that has its own ``ckpt.pt`` always resumes from that.
+    """
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer, train_data, held_data = prepare_run(out, tokenizer_dir)
+    tokenizer, train_data, held_data = prepare_run(out, tokenizer_dir, corpus_version)
     ckpt_path = out / "ckpt.pt"
     if ckpt_path.exists():
         model, ckpt = load_model_from_checkpoint(ckpt_path)
@@ -283,6 +298,11 @@ def train(out: Path, tokenizer_dir: Path, total_steps: int, max_minutes: float, 
         torch.set_rng_state(ckpt["rng"])
         step, meta = ckpt["step"], ckpt["meta"]
         print(f"resumed from {ckpt_path} at step {step}", flush=True)
+    elif init_from is not None:
+        model, _ = load_model_from_checkpoint(init_from)
+        optimizer = make_optimizer(model, lr)
+        step, meta = 0, {"tokens": 0, "train_seconds": 0.0, "best_heldout": None, "init_from": str(init_from)}
+        print(f"new run from the weights of {init_from}", flush=True)
     else:
         model = build_model(model_config(len(tokenizer), tokenizer.eos_token_id, **(config_overrides or {})))
         optimizer = make_optimizer(model, lr)
@@ -481,10 +501,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=LR)
     ap.add_argument("--eval-every", type=int, default=EVAL_EVERY)
     ap.add_argument("--save-minutes", type=float, default=SAVE_MINUTES)
+    ap.add_argument("--corpus-version", type=int, choices=sorted(corpus.SKIP_DIRS_OF_VERSION), default=1,
+                    help="training corpus (see trtllm_dflash.train.corpus); fixed when the run starts")
+    ap.add_argument("--init-from", type=Path, help="start a new run from this checkpoint's weights (warm restart)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     train(args.out, args.tokenizer, args.total_steps, args.max_minutes, lr=args.lr,
-          eval_every=args.eval_every, save_minutes=args.save_minutes)
+          eval_every=args.eval_every, save_minutes=args.save_minutes, corpus_version=args.corpus_version,
+          init_from=args.init_from)
 
 
 def export_main(argv: list[str] | None = None) -> None:
