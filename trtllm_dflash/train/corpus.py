@@ -17,7 +17,7 @@ File rules (applied to the relative paths below ``sysconfig.get_paths()["stdlib"
 
 Corpus versions: v1 (the corpus of the shipped pair) applies the rules above. v2 also takes the
 test suites in directories named ``test`` (CPython's own ``test`` package and the ``*/test``
-packages of unittest, ctypes, tkinter, ...; about 1.7x v1's text), because v1 is too small for the
+packages of unittest, ctypes, tkinter, ...; they add 1.7x v1's text), because v1 is too small for the
 target: it over-fits after a few passes. lib2to3's ``tests`` and idlelib's ``idle_test`` stay out.
 
 Split: by *file*, so no held-out text is ever seen in training. A file is held out when the first
