@@ -398,6 +398,7 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
         task = progress.add_task("training drafter", total=cfg.steps, completed=step, info="")
         started = last_save = time.time()
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+        use_walk = cfg.walk_anchor_fraction > 0
         try:
             while step < cfg.steps:
                 for group in optimizer.param_groups:
@@ -407,7 +408,6 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
                     rows = torch.randint(0, len(sequences), (cfg.batch_size,), generator=gen)
                     batch = sequences[rows].to(device)
                     anchors = sample_anchors(cfg.batch_size, cfg.anchors_per_sequence, first, last, gen)
-                    use_walk = cfg.walk_anchor_fraction > 0
                     if use_walk:
                         anchors = mix_anchors(anchors, walk[rows], cfg.walk_anchor_fraction, last)
                     features = None if feature_cache is None else feature_cache[rows].to(device, torch.float32)

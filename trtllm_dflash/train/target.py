@@ -273,7 +273,7 @@ def prepare_run(out: Path, tokenizer_dir: Path, corpus_version: int = 1):
         if started != corpus_version:
             raise SystemExit(f"error: {recorded}: the run was started on corpus v{started}, not v{corpus_version}")
     record = corpus.split_record(version=corpus_version)
-    (out / "corpus_split.json").write_text(json.dumps(record, indent=1) + "\n")
+    recorded.write_text(json.dumps(record, indent=1) + "\n")
     train = tokenize_split(tokenizer, "train", out / "train.bin", corpus_version)
     held = tokenize_split(tokenizer, "heldout", out / "heldout.bin", corpus_version)
     return tokenizer, train, held
