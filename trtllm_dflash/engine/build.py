@@ -25,6 +25,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 import trtllm_dflash
 
 from ..checkpoints.hf import load_state_dict, read_json
+from ..checkpoints.publish import publish_directory
 from ..checkpoints.validate import Pair, validate_pair
 from ..errors import InputError
 from ..models.drafter import DFlashDrafter, normalize_drafter_keys
@@ -264,8 +265,6 @@ def copy_hashing(src: Path, dst: Path, progress: Progress) -> FileRecord:
             writer.write(chunk)
             hasher.update(chunk)
             progress.advance(task, len(chunk))
-        writer.flush()
-        os.fsync(writer.fileno())
     progress.remove_task(task)
     shutil.copystat(src, dst)
     return {"size": dst.stat().st_size, "sha256": hasher.hexdigest()}
@@ -424,7 +423,7 @@ def build_engine(options: BuildOptions, show_progress: bool = True, log: Callabl
             files[rel] = file_record(work / rel)
         write_manifest(work, manifest_content(plan, source_records), dict(sorted(files.items())))
     pause_if_asked("publish")
-    publish(work, output)
+    publish_directory(work, output)
     shutil.rmtree(records)
     result = BuildResult(open_engine(output), runner.reused, runner.built)
     if options.triton_repo is not None:
@@ -471,24 +470,12 @@ def manifest_content(plan: BuildPlan, sources: dict[str, Any]) -> dict[str, Any]
     }
 
 
-def publish(work: Path, output: Path) -> None:
-    """Give the finished directory its name; an existing output is moved aside first and removed
-    only after the swap, so at every instant the output path is absent, old, or new-and-complete."""
-    if output.exists():
-        old = output.with_name(f".{output.name}.old-{os.getpid()}")
-        output.rename(old)
-        work.rename(output)
-        shutil.rmtree(old)
-    else:
-        work.rename(output)
-
-
 def publish_triton_repo(repo: Path, engine_root: Path, options: LlmApiOptions) -> Path:
     """A stand-alone model repository pointing at the engine by absolute path."""
     work = partial_dir(repo)
     remove(work)
     write_model_repository(work, str(engine_root), options, engine_root=engine_root)
-    publish(work, repo)
+    publish_directory(work, repo)
     return repo
 
 

@@ -22,8 +22,8 @@ a few experts at a time (one per chunk at gpt-oss-120b size, two chunks encoded 
 piece is written straight to its final offset in its shard (whose layout is computed up front). A
 tensor-wide global scale takes a first, cheap pass over the tensor (MXFP4: the scale bytes, and
 only the blocks holding the largest exponent; otherwise the amax) before the encoding pass.
-Everything goes to a temporary sibling directory that is renamed into place at the end, so a
-failure never leaves a half-written checkpoint.
+Everything goes to a temporary sibling directory that is made durable (fsync) and renamed into
+place at the end, so neither a failure nor a crash leaves a half-written checkpoint.
 
 Pass-through tensors (bf16 kept as is, MXFP4 kept by the ``mxfp4`` recipe) are copied shard to shard
 by the kernel (:func:`~trtllm_dflash.checkpoints.safetensors_io.copy_range`), never through Python.
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import tempfile
 import time
@@ -55,6 +54,7 @@ import torch
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from trtllm_dflash.checkpoints.hf import read_json
+from trtllm_dflash.checkpoints.publish import publish_directory
 from trtllm_dflash.checkpoints.safetensors_io import (
     FileRange,
     ShardedReader,
@@ -496,17 +496,6 @@ def _write_metadata(src: Path, out: Path, config: dict, hf_quant: dict | None, q
                 shutil.copy2(file, out / file.name)
 
 
-def _publish(tmp: Path, dst: Path) -> None:
-    """Move the finished ``tmp`` to ``dst``; an existing ``dst`` is only removed after the swap."""
-    if not dst.exists():
-        tmp.rename(dst)
-        return
-    old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-    dst.rename(old)
-    tmp.rename(dst)
-    shutil.rmtree(old)
-
-
 def convert_checkpoint(
     src: str | Path,
     dst: str | Path,
@@ -559,7 +548,7 @@ def convert_checkpoint(
         total = sum(j.nbytes for j in jobs)
         write_index(tmp, weight_map, total)
         _write_metadata(src, tmp, config, hf_quant, quantization)
-        _publish(tmp, dst)
+        publish_directory(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
