@@ -4,7 +4,10 @@ Each layer has the real 120b tensors (hidden 2880, 128 experts, MXFP4 experts
 ``gate_up_proj_blocks [128, 5760, 90, 16]``, 64/8 heads of 64, biases, sinks, router); the vocab is
 cut to 8192 so embed/lm_head stay small (the real 201088 would add 2 x 1.16 GB of plain copying).
 Each measurement runs in a fresh subprocess that reports its own peak RSS (VmHWM, Linux); the reference is a
-plain file copy of the same shards. Copy and conversions alternate (copy, recipe 1, recipe 2, ..., repeated
+plain file copy of the same shards. Both end durable, as every output the toolkit publishes does: the
+conversion fsyncs its output before renaming it into place, and the copy fsyncs its files the same way
+(``sync_tree``). Without that, a copy smaller than the kernel's dirty-page limit (``vm.dirty_ratio``) only
+measures memcpy into the page cache, never the disk. Copy and conversions alternate (copy, recipe 1, recipe 2, ..., repeated
 ``--repeats`` times, each preceded by an untimed ``sync``) so that load from other jobs on a shared machine
 hits both; each row gives medians, and "x copy" is the median over repeats of copy seconds / recipe seconds
 from the same round (the fraction of copy throughput reached). Conversion seconds exclude the child's
@@ -94,10 +97,12 @@ from pathlib import Path
 src, dst, what = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 t = time.perf_counter()
 if what == "copy":
-    imported = t
+    from trtllm_dflash.checkpoints.publish import sync_tree  # a tiny module: no torch import
+    imported = time.perf_counter()
     dst.mkdir()
     for f in src.iterdir():
         shutil.copyfile(f, dst / f.name)
+    sync_tree(dst)
     written = sum(f.stat().st_size for f in dst.iterdir())
 else:
     from trtllm_dflash.quant.convert import convert_checkpoint, needs_input_amax
