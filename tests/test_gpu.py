@@ -209,6 +209,16 @@ def test_rejection_sampling_on_cuda_is_seeded(embedded_on_cuda):
     assert first == again and all(len(o) == 32 for o in first)
 
 
+# ---- drafter training on CUDA (device placement, bf16 autocast) ------------------------------
+
+def test_drafter_training_on_cuda(tmp_path):
+    """The CPU test's 40-step run, on CUDA: the loss falls and the drafter it writes is lossless there."""
+    from test_train_drafter import check_drafter_is_lossless, short_training_run
+
+    target_dir, drafter_dir, _ = short_training_run(tmp_path, torch.device(CUDA), resume=False)
+    check_drafter_is_lossless(target_dir, drafter_dir, CUDA)
+
+
 # ---- quantization codecs: CUDA bit-identical to CPU ------------------------------------------
 
 def test_codecs_on_cuda_match_cpu():

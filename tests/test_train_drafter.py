@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 
@@ -62,7 +63,9 @@ def test_mix_anchors_takes_walk_positions_then_uniform_ones():
     assert mix_anchors(uniform, candidates, fraction=0.0, last=20).tolist() == uniform.tolist()
 
 
-def test_short_run_learns_resumes_and_writes_a_loadable_drafter(tmp_path):
+def short_training_run(tmp_path, device: torch.device, resume: bool) -> tuple[Path, Path, list[float]]:
+    """40 steps on a tiny random target (12 + 28 resumed on cached features with walk anchors when
+    `resume`) -> (target dir, drafter dir, loss history). Shared with the CUDA check in test_gpu.py."""
     # Larger initial weights than the shared fixture: a near-uniform LM head would make the
     # drafter's (frozen, borrowed) logits too flat to show learning in 40 steps.
     target_dir = save_random_target(tmp_path / "target", tiny_target_config(initializer_range=0.2), seed=3)
@@ -72,25 +75,33 @@ def test_short_run_learns_resumes_and_writes_a_loadable_drafter(tmp_path):
     prompts.write_text("".join(json.dumps({"prompt_token_ids": torch.randint(0, 256, (16,), generator=gen).tolist()})
                                + "\n" for _ in range(24)))
     cfg = TrainConfig(block_size=4, num_features=2, prompt_tokens=16, response_tokens=32, num_samples=24,
-                      anchors_per_sequence=4, batch_size=8, steps=12, lr=1e-2, save_every_s=1e9)
+                      anchors_per_sequence=4, batch_size=8, steps=12 if resume else 40, lr=1e-2, save_every_s=1e9)
     out = tmp_path / "run"
-    train(target_dir, out, cfg, "file", prompts, None, torch.device("cpu"), None)
-    # the resumed part runs on cached (bf16) target features, half its anchors at walk positions
-    cfg.steps, cfg.cache_features, cfg.walk_anchor_fraction = 40, True, 0.5
-    drafter_dir = train(target_dir, out, cfg, "file", prompts, None, torch.device("cpu"), None)  # resumes at 12
+    drafter_dir = train(target_dir, out, cfg, "file", prompts, None, device, None)
+    if resume:  # the resumed part runs on cached (bf16) target features, half its anchors at walk positions
+        cfg.steps, cfg.cache_features, cfg.walk_anchor_fraction = 40, True, 0.5
+        drafter_dir = train(target_dir, out, cfg, "file", prompts, None, device, None)  # resumes at 12
     history = json.loads((out / "history.json").read_text())["loss"]
     assert len(history) == 40
-    walk = torch.load(out / "checkpoint.pt", weights_only=False)["walk"]
-    assert (walk >= 16).sum() > 0  # walk positions were recorded (and checkpointed) for later visits
     assert sum(history[-5:]) / 5 < 0.9 * sum(history[:5]) / 5
+    return target_dir, drafter_dir, history
 
-    target = GptOssTarget(load_hf_gpt_oss(target_dir))
-    drafter = load_drafter(drafter_dir)
+
+def check_drafter_is_lossless(target_dir: Path, drafter_dir: Path, device: str) -> None:
+    target = GptOssTarget(load_hf_gpt_oss(target_dir, device))
+    drafter = load_drafter(drafter_dir, device)
     assert drafter.config.mask_token_id == 257 and drafter.config.block_size == 4
-    prompt = torch.randint(0, 256, (16,), generator=gen).tolist()
+    prompt = torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(2)).tolist()
     spec = ReferenceRuntime(target, DFlashProposer(drafter, target)).generate([prompt], SamplingParams(max_tokens=24))
     ar = ReferenceRuntime(target, None).generate([prompt], SamplingParams(max_tokens=24))
     assert spec[0].output_token_ids == ar[0].output_token_ids
+
+
+def test_short_run_learns_resumes_and_writes_a_loadable_drafter(tmp_path):
+    target_dir, drafter_dir, _ = short_training_run(tmp_path, torch.device("cpu"), resume=True)
+    walk = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["walk"]
+    assert (walk >= 16).sum() > 0  # walk positions were recorded (and checkpointed) for later visits
+    check_drafter_is_lossless(target_dir, drafter_dir, "cpu")
 
 
 def test_training_forward_gives_the_runtime_drafter_logits(tmp_path):
