@@ -18,22 +18,12 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from trtllm_dflash.checkpoints.publish import check_output_path
 from trtllm_dflash.errors import InputError
 
-from .common import clean_errors, resolve_device, resolve_dtype
+from .common import clean_errors, parse_ints, resolve_device, resolve_dtype
 
 DEFAULT_CONCURRENCY = "1,2,4,8,16,32"
-
-
-def parse_ints(text: str, option: str, least: int) -> list[int]:
-    """'1,2,4' -> [1, 2, 4], sorted and deduplicated; each at least `least`."""
-    try:
-        values = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise InputError(f"expected comma-separated integers, got {text!r}.", field=option) from None
-    if not values or values[0] < least:
-        raise InputError(f"expected integers >= {least}, got {text!r}.", field=option)
-    return values
 
 
 def resolve_bench_pair(engine_dir: Path | None, target_dir: Path | None, drafter_dir: Path | None) -> tuple[Path, Path]:
@@ -102,6 +92,7 @@ def main(engine_dir, target_dir, drafter_dir, prompts_file, concurrency, draft_l
     for name, value, least in (("--repeats", repeats, 1), ("--requests", requests, 0), ("--max-tokens", max_tokens, 1)):
         if value < least:
             raise InputError(f"expected at least {least}, got {value}.", field=name)
+    check_output_path(output_dir, "--output-dir", directory=True)  # before the sweep, not after it
     target_dir, drafter_dir = resolve_bench_pair(engine_dir, target_dir, drafter_dir)
     pair = validate_pair(target_dir, drafter_dir)
     most = pair.drafter_config.block_size - 1
@@ -139,7 +130,7 @@ def main(engine_dir, target_dir, drafter_dir, prompts_file, concurrency, draft_l
                 "settings": {"concurrency": levels, "draft_lengths": lengths, "max_tokens": max_tokens,
                              "repeats": repeats, "requests": requests, "dtype": str(torch_dtype).removeprefix("torch.")},
                 "points": [p.to_dict() for p in points],
-                **analyse(points, most, schedule_source)}
+                **analyse(points, lengths[-1], schedule_source)}  # acceptance is known up to the longest swept
     written = write_outputs(document, points, output_dir, plot=not no_plot)
     print_summary(document, points, Console())
     click.echo("wrote " + ", ".join(str(p) for p in written))

@@ -13,7 +13,8 @@ from trtllm_dflash.errors import InputError, MissingDependencyError
 
 
 def clean_errors(command: Callable) -> Callable:
-    """Bad input exits 2 and a missing optional dependency exits 3, with a message, never a traceback."""
+    """Bad input exits 2, a missing optional dependency 3 and a failed file operation 1, each with a
+    message naming what failed, never a traceback."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -22,8 +23,23 @@ def clean_errors(command: Callable) -> Callable:
         except (InputError, MissingDependencyError) as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
+        except OSError as exc:  # the file system said no (disk full, permissions): say where, exit 1
+            where = ": ".join(str(name) for name in (exc.filename, exc.filename2) if name)
+            click.echo(f"error: {where + ': ' if where else ''}{exc.strerror or exc}", err=True)
+            sys.exit(1)
 
     return wrapper
+
+
+def parse_ints(text: str, option: str, least: int) -> list[int]:
+    """'1,2,4' -> [1, 2, 4], sorted and deduplicated; each at least `least`."""
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise InputError(f"expected comma-separated integers, got {text!r}.", field=option) from None
+    if not values or values[0] < least:
+        raise InputError(f"expected integers >= {least}, got {text!r}.", field=option)
+    return values
 
 
 def resolve_device(device: str) -> torch.device:

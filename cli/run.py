@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from trtllm_dflash.checkpoints.publish import check_output_path
 from trtllm_dflash.errors import InputError
 from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
 
@@ -168,7 +169,8 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True, help="0 = off.")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--batch-size", default=1, show_default=True, help="Requests decoded together.")
+@click.option("--batch-size", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Requests decoded together.")
 @click.option("--block-size", type=int, help="Verify block (anchor + drafts); at most the drafter's.")
 @click.option("--draft-method", type=click.Choice(["dflash", "ngram"]), default="dflash", show_default=True,
               help="ngram = prompt lookup, the draft-model-free baseline.")
@@ -193,6 +195,9 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     from trtllm_dflash.runtime.sampling import SamplingParams
     from trtllm_dflash.runtime.stats import GenerationInterrupted
 
+    for path, option in ((output, "--output"), (stats_file, "--stats-file")):
+        if path is not None:  # before the run, not after it
+            check_output_path(path, option, directory=False)
     given_target = target_dir
     target_dir, drafter_dir, engine = resolve_pair(engine_dir, target_dir, drafter_dir, verify)
     pair = validate_pair(target_dir, drafter_dir, block_size)

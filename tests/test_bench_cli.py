@@ -67,3 +67,23 @@ def test_missing_prompts_file_exits_2(tiny_pair, tmp_path):
     result = CliRunner().invoke(main, ["--target", str(target), "--drafter", str(drafter), "--prompts-file",
                                        str(tmp_path / "none.jsonl")])
     assert result.exit_code == 2 and "none.jsonl" in result.output
+
+
+def test_sweep_below_the_block_size_schedules_only_swept_lengths(tiny_pair, prompts_file, tmp_path):
+    target, drafter = tiny_pair
+    result = CliRunner().invoke(main, ["--target", str(target), "--drafter", str(drafter), "--prompts-file",
+                                       str(prompts_file), "--concurrency", "1,2", "--draft-lengths", "1",
+                                       "--max-tokens", "4", "--no-plot", "--output-dir", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    schedule = json.loads((tmp_path / "out" / "bench.json").read_text())["schedule"]
+    assert set(schedule["best_per_band"].values()) <= {0, 1}
+
+
+def test_unusable_output_dir_fails_before_the_sweep(tiny_pair, prompts_file, tmp_path):
+    target, drafter = tiny_pair
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    result = CliRunner().invoke(main, ["--target", str(target), "--drafter", str(drafter), "--prompts-file",
+                                       str(prompts_file), "--output-dir", str(a_file / "bench")])
+    assert result.exit_code == 2 and "--output-dir" in result.output and "notes.txt is a file" in result.output
+    assert "sweep" not in result.output

@@ -235,3 +235,38 @@ def test_schedule_from_bench_reaches_the_engine_and_the_run(tiny_pair, tmp_path)
                     "--max-tokens", 10, "--json", "--baseline")
     assert result.exit_code == 0, result.output
     assert all(json.loads(line)["matches_baseline"] for line in result.stdout.splitlines())
+
+
+def test_unusable_prompts_and_output_paths_fail_before_the_run(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    binary = tmp_path / "prompts.txt"
+    binary.write_bytes(b"\xff\xfe\x00bad\n")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    for args, message in [
+        (["--prompts-file", binary], "not UTF-8 text (byte 0xff at offset 0)"),
+        (["--prompts-file", tmp_path], "is a directory"),
+        (["--prompt", "x", "--output", a_file / "out.jsonl"], "notes.txt is a file, not a directory"),
+        (["--prompt", "x", "--stats-file", tmp_path], "expected a file here, found a directory"),
+        (["--prompt", "x", "--batch-size", 0], "--batch-size"),
+    ]:
+        result = invoke("--target", target, "--drafter", drafter, "--no-stream", *args)
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert "Traceback" not in result.output and "tok/s" not in result.output  # nothing ran
+    result = invoke("--target", target / "config.json", "--drafter", drafter, "--prompt", "x")
+    assert result.exit_code == 2 and "is a file; expected the directory that holds config.json" in result.output
+
+
+def test_a_failed_file_operation_is_one_line_naming_the_file():
+    import click
+
+    from trtllm_dflash.cli.common import clean_errors
+
+    @click.command()
+    @clean_errors
+    def write():
+        raise OSError(28, "No space left on device", "/engines/target/model-00001.safetensors")
+
+    result = CliRunner().invoke(write, [])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.strip() == "error: /engines/target/model-00001.safetensors: No space left on device"

@@ -102,8 +102,10 @@ def test_profile_backend_must_fit_gpu(tiny_pair, tmp_path, out):
     (["--tp", 4], ["--tp", "num_key_value_heads"]),
     (["--tp", 3, "--ep", 3], ["--ep", "num_local_experts"]),
     (["--tp", 2, "--ep", 4], ["--ep", "divide TP"]),
+    (["--tp", 0], ["--tp", ">=1"]),
+    (["--max-draft-len", 0], ["--max-draft-len", ">=1"]),
 ])
-def test_parallel_sizes_must_split_the_model(tiny_pair, out, args, needles):
+def test_sizes_must_be_positive_and_split_the_model(tiny_pair, out, args, needles):
     target, drafter = tiny_pair
     refused(run(["--target", target, "--drafter", drafter, "-o", out, *args]), out, *needles)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from trtllm_dflash.checkpoints import publish
+from trtllm_dflash.errors import InputError
 from trtllm_dflash.models.random_pair import save_random_target, tiny_target_config
 from trtllm_dflash.quant.convert import convert_checkpoint
 
@@ -65,3 +66,26 @@ def test_conversion_output_is_durable_before_it_is_named(tmp_path, events):
     last_rename = max(i for i, (kind, _) in enumerate(events) if kind == "rename")
     work = events[last_rename - 1][1]  # sync_tree ends with the work directory itself
     check_synced_before_named(events, tree(output), work, output)
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    for path, directory, message in [
+        (a_file, True, "expected a directory here, found a file"),
+        (tmp_path, False, "expected a file here, found a directory"),
+        (a_file / "engine", True, "notes.txt is a file, not a directory"),
+        (a_file / "deeper" / "out.jsonl", False, "notes.txt is a file, not a directory"),
+    ]:
+        with pytest.raises(InputError, match=message) as caught:
+            publish.check_output_path(path, "--output", directory)
+        assert "--output" in str(caught.value) and str(path) in str(caught.value)
+    publish.check_output_path(tmp_path / "new" / "nested" / "engine", "--output", directory=True)  # made later
+    publish.check_output_path(a_file, "--output", directory=False)  # overwriting a file is allowed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # the write probe left nothing
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc, a folder that takes no new files")
+def test_a_folder_that_takes_no_files_is_refused():
+    with pytest.raises(InputError, match="does not accept new files"):
+        publish.check_output_path(Path("/proc/trtllm-dflash-test/engine"), "--output", directory=True)

@@ -151,3 +151,35 @@ def test_warm_start_grows_a_drafter_without_changing_its_output(tmp_path):
     anchors = torch.tensor([[3, 9, 15]])
     torch.testing.assert_close(drafter_block_logits(deep, target, sequence, anchors),
                                drafter_block_logits(shallow, target, sequence, anchors))
+
+
+def test_bad_training_input_fails_before_the_run_directory_exists(tmp_path):
+    from click.testing import CliRunner
+
+    from trtllm_dflash.train.drafter import main
+
+    target_dir = save_random_target(tmp_path / "target", tiny_target_config())
+    save_byte_tokenizer(target_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": list(range(16))}) + "\n")
+    broken = save_random_drafter(tmp_path / "broken", drafter_config_for(tiny_target_config()))
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "hidden_size": 2 * config["hidden_size"]}))
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    out = tmp_path / "run"
+    for args, message in [
+        (["--target-layer-ids", "0,9"], "--target-layer-ids"),
+        (["--target-layer-ids", "0,x"], "--target-layer-ids"),
+        (["--block-size", "1"], "--block-size"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--init-from", broken], "broken"),
+        (["--prompts", tmp_path / "missing.jsonl"], "missing.jsonl"),
+        (["--out", a_file / "run"], "notes.txt is a file"),
+    ]:
+        result = CliRunner().invoke(main, [str(a) for a in ["--target", target_dir, "--prompts", prompts,
+                                                            "--out", out, "--prompt-tokens", 16, "--steps", 1,
+                                                            "--device", "cpu", *args]])
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert "Traceback" not in result.output
+        assert not out.exists() and not (a_file / "run").exists()

@@ -10,10 +10,17 @@ from .errors import InputError
 
 def read_prompts_file(path: Path) -> list[str | list[int]]:
     """Plain text (one prompt per line) or JSONL objects with `prompt` (text) or `prompt_token_ids`."""
+    if path.is_dir():
+        raise InputError("is a directory; expected a text or JSONL file of prompts.", path=path)
     if not path.is_file():
         raise InputError("file not found.", path=path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); expected "
+                         "text lines or JSONL.", path=path) from None
     prompts: list[str | list[int]] = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         if not line.lstrip().startswith("{"):

@@ -1,6 +1,8 @@
-"""Giving a finished output directory its name, durably.
+"""Output paths: checked before any work starts, and finished directories published durably.
 
-Every writer here (checkpoint conversion, engine build, Triton repository) works in a temporary
+`check_output_path` runs first, so a command pointed at an unusable place (a missing or read-only
+folder, a file where a directory belongs) fails in a second with the path named, not after hours of
+work. Every writer here (checkpoint conversion, engine build, Triton repository) works in a temporary
 sibling and renames it into place when done. A rename is only as good as the data behind it: on
 ext4 and XFS, file data written without fsync may still be in the page cache when the rename
 reaches the disk, so after a power loss the final name could hold empty or truncated shards.
@@ -12,7 +14,35 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
+
+from ..errors import InputError
+
+
+def check_output_path(path: Path, field: str, directory: bool) -> None:
+    """Fail now, naming `path` and the option `field`, unless `path` can become the output: an
+    existing path must be of the right kind, and the nearest existing folder above must accept new
+    files. That is probed with a temporary file, which also catches read-only mounts and /proc."""
+    kind = "directory" if directory else "file"
+    if path.exists():
+        if path.is_dir() != directory:
+            raise InputError(f"expected a {kind} here, found a {'directory' if path.is_dir() else 'file'}.",
+                             path=path, field=field)
+        if not os.access(path, os.W_OK):
+            raise InputError("exists but is not writable.", path=path, field=field)
+    folder = path.absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise InputError(f"cannot be created: {folder} is a file, not a directory.", path=path, field=field)
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
+    except OSError as exc:
+        raise InputError(f"cannot be created: {folder} does not accept new files ({exc.strerror}).",
+                         path=path, field=field) from None
+    os.close(handle)
+    os.unlink(probe)
 
 
 def fsync_path(path: Path) -> None:

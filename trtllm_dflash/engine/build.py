@@ -25,7 +25,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 import trtllm_dflash
 
 from ..checkpoints.hf import load_state_dict, read_json
-from ..checkpoints.publish import publish_directory
+from ..checkpoints.publish import check_output_path, publish_directory
 from ..checkpoints.validate import Pair, validate_pair
 from ..errors import InputError
 from ..models.drafter import DFlashDrafter, normalize_drafter_keys
@@ -120,8 +120,7 @@ def plan_build(options: BuildOptions) -> BuildPlan:
 
 
 def check_output(path: Path, force: bool, option: str) -> None:
-    if path.exists() and not path.is_dir():
-        raise InputError("exists and is not a directory.", path=path, field=option)
+    check_output_path(path, option, directory=True)
     if path.is_dir() and any(path.iterdir()) and not force:
         raise InputError("exists and is not empty; pass --force to replace it.", path=path, field=option)
 

@@ -329,9 +329,11 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from ..checkpoints.gpt_oss import load_hf_gpt_oss
+    from ..checkpoints.publish import check_output_path
     from ..prompts import load_tokenizer
 
-    out.mkdir(parents=True, exist_ok=True)
+    # every check before --out is made: a failed start leaves nothing behind
+    check_output_path(out, "--out", directory=True)
     target = GptOssTarget(load_hf_gpt_oss(target_dir, device, torch.float32))
     tokenizer = load_tokenizer(target_dir)
     if mask_token_id is None:
@@ -339,25 +341,34 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
         if mask_token_id is None or mask_token_id == tokenizer.unk_token_id:
             raise InputError("the tokenizer has no '<|mask|>' token; pass --mask-token-id.", path=target_dir,
                              field="mask_token_id")
+    bad = [i for i in cfg.target_layer_ids or [] if not 0 <= i < target.num_layers]
+    if bad:
+        raise InputError(f"ids {bad} are outside the target's decoder layers [0, {target.num_layers}) (0-based).",
+                         field="--target-layer-ids")
     checkpoint_path, data_path = out / "checkpoint.pt", out / "responses.pt"
+    drafter = new_drafter(target, cfg, mask_token_id).to(device)
+    fresh = warm_start(drafter, Path(cfg.init_from)) if cfg.init_from and not checkpoint_path.is_file() else None
+    prompts = None
+    if not data_path.is_file():
+        prompts = (prompts_from_file(prompts_file, tokenizer, cfg.prompt_tokens) if data == "file"
+                   else snippets_from_corpus(tokenizer, cfg.num_samples, cfg.prompt_tokens, cfg.seed,
+                                             cfg.prompt_stride))
+        prompts = [p for p in prompts if len(p) == cfg.prompt_tokens][: cfg.num_samples]
+        if not prompts:
+            raise InputError(f"no prompt has {cfg.prompt_tokens} tokens.", field="--prompt-tokens")
+    out.mkdir(parents=True, exist_ok=True)
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TextColumn("{task.fields[info]}"), TimeRemainingColumn())
     with Progress(*columns) as progress:
-        if data_path.is_file():
+        if prompts is None:
             sequences = torch.load(data_path)
         else:
-            prompts = (prompts_from_file(prompts_file, tokenizer, cfg.prompt_tokens) if data == "file"
-                       else snippets_from_corpus(tokenizer, cfg.num_samples, cfg.prompt_tokens, cfg.seed,
-                                                 cfg.prompt_stride))
-            prompts = [p for p in prompts if len(p) == cfg.prompt_tokens][: cfg.num_samples]
-            if not prompts:
-                raise InputError(f"no prompt has {cfg.prompt_tokens} tokens.", field="--prompt-tokens")
             task = progress.add_task("regenerating responses", total=len(prompts), info="")
             sequences = torch.tensor(regenerate(target, prompts, cfg.response_tokens,
                                                 progress=lambda n: progress.advance(task, n)))
-            torch.save(sequences, data_path)
+            torch.save(sequences, data_path.with_suffix(".tmp"))  # a resume must never load half a file
+            data_path.with_suffix(".tmp").replace(data_path)
 
-        drafter = new_drafter(target, cfg, mask_token_id).to(device)
         decay = [p for n, p in drafter.named_parameters() if p.dim() > 1]
         no_decay = [p for n, p in drafter.named_parameters() if p.dim() <= 1]
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -374,8 +385,7 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
             step, history = state["step"], state["history"]
             if state.get("walk") is not None and state["walk"].shape == walk.shape:  # same data and --anchors
                 walk = state["walk"]
-        elif cfg.init_from:
-            fresh = warm_start(drafter, Path(cfg.init_from))
+        elif fresh is not None:
             progress.console.log(f"warm start from {cfg.init_from}; {len(fresh)} tensors new: {fresh}")
 
         def save() -> None:
@@ -443,43 +453,46 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
 @click.option("--corpus", "data", flag_value="stdlib", default=True, help="Prompts from the stdlib training split.")
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), help="Prompts file (text or JSONL).")
 @click.option("--mask-token-id", type=int, help="Default: the tokenizer's '<|mask|>'.")
-@click.option("--drafter-layers", default=TrainConfig.drafter_layers, show_default=True)
-@click.option("--block-size", default=TrainConfig.block_size, show_default=True)
-@click.option("--num-features", default=TrainConfig.num_features, show_default=True)
+@click.option("--drafter-layers", default=TrainConfig.drafter_layers, show_default=True, type=click.IntRange(min=1))
+@click.option("--block-size", default=TrainConfig.block_size, show_default=True, type=click.IntRange(min=2),
+              help="Anchor + drafts per block (at least 2).")
+@click.option("--num-features", default=TrainConfig.num_features, show_default=True, type=click.IntRange(min=1))
 @click.option("--target-layer-ids", help="Comma-separated; default spreads --num-features over [1, L-3].")
-@click.option("--prompt-tokens", default=TrainConfig.prompt_tokens, show_default=True)
-@click.option("--prompt-stride", default=TrainConfig.prompt_stride, show_default=True,
+@click.option("--prompt-tokens", default=TrainConfig.prompt_tokens, show_default=True, type=click.IntRange(min=1))
+@click.option("--prompt-stride", default=TrainConfig.prompt_stride, show_default=True, type=click.IntRange(min=1),
               help="Corpus prompts start every this many tokens (a random half of the windows is kept).")
-@click.option("--response-tokens", default=TrainConfig.response_tokens, show_default=True)
-@click.option("--num-samples", default=TrainConfig.num_samples, show_default=True)
-@click.option("--anchors", default=TrainConfig.anchors_per_sequence, show_default=True)
+@click.option("--response-tokens", default=TrainConfig.response_tokens, show_default=True, type=click.IntRange(min=1))
+@click.option("--num-samples", default=TrainConfig.num_samples, show_default=True, type=click.IntRange(min=1))
+@click.option("--anchors", default=TrainConfig.anchors_per_sequence, show_default=True, type=click.IntRange(min=1))
 @click.option("--walk-anchors", "walk_anchor_fraction", default=TrainConfig.walk_anchor_fraction, show_default=True,
               type=click.FloatRange(0, 1),
               help="Share of anchors drawn where the runtime would draft next after the previous visit's blocks.")
-@click.option("--batch-size", default=TrainConfig.batch_size, show_default=True)
-@click.option("--grad-accum", default=TrainConfig.grad_accum, show_default=True)
-@click.option("--steps", default=TrainConfig.steps, show_default=True)
-@click.option("--lr", default=TrainConfig.lr, show_default=True)
+@click.option("--batch-size", default=TrainConfig.batch_size, show_default=True, type=click.IntRange(min=1))
+@click.option("--grad-accum", default=TrainConfig.grad_accum, show_default=True, type=click.IntRange(min=1))
+@click.option("--steps", default=TrainConfig.steps, show_default=True, type=click.IntRange(min=1))
+@click.option("--lr", default=TrainConfig.lr, show_default=True, type=click.FloatRange(min=0, min_open=True))
 @click.option("--seed", default=TrainConfig.seed, show_default=True)
 @click.option("--init-from", type=click.Path(path_type=Path),
               help="Warm-start from this drafter directory (deeper drafters get identity layers on top).")
 @click.option("--cache-features", is_flag=True,
               help="Compute the target's features of all sequences once (bf16, in memory) instead of every step.")
 @click.option("--device", default="auto", show_default=True)
-@click.option("--threads", type=int, help="torch CPU threads.")
-@click.option("--max-minutes", type=float, help="Stop (and checkpoint) after this long; re-run to resume.")
+@click.option("--threads", type=click.IntRange(min=1), help="torch CPU threads.")
+@click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True),
+              help="Stop (and checkpoint) after this long; re-run to resume.")
 def main(target_dir, out, data, prompts_file, mask_token_id, drafter_layers, block_size, num_features,
          target_layer_ids, prompt_tokens, prompt_stride, response_tokens, num_samples, anchors, walk_anchor_fraction,
          batch_size, grad_accum, steps, lr, seed, init_from, cache_features, device, threads, max_minutes):
     """Train a DFlash drafter on the target's own greedy continuations."""
-    from ..cli.common import clean_errors, resolve_device
+    from ..cli.common import clean_errors, parse_ints, resolve_device
 
     @clean_errors
     def run():
         if threads:
             torch.set_num_threads(threads)
         cfg = TrainConfig(drafter_layers=drafter_layers, block_size=block_size, num_features=num_features,
-                          target_layer_ids=[int(i) for i in target_layer_ids.split(",")] if target_layer_ids else None,
+                          target_layer_ids=(parse_ints(target_layer_ids, "--target-layer-ids", 0)
+                                            if target_layer_ids else None),
                           prompt_tokens=prompt_tokens, prompt_stride=prompt_stride, response_tokens=response_tokens,
                           num_samples=num_samples, anchors_per_sequence=anchors,
                           walk_anchor_fraction=walk_anchor_fraction, batch_size=batch_size, grad_accum=grad_accum,
