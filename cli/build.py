@@ -77,7 +77,7 @@ def main(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_
                              field="--max-draft-len")
     options = BuildOptions(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_cache_dtype,
                            max_draft_len, max_seq_len, tp, ep, triton_repo, force, schedule, trt_drafter,
-                           input_amax_file)
+                           input_amax_file, schedule_file=schedule_from)
     if check:
         plan = plan_build(options)
         spec = plan.llm_options.speculative_config

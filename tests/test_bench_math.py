@@ -133,6 +133,16 @@ def test_schedule_from_bench_reads_and_validates(tmp_path):
         schedule_from_bench(path)
     with pytest.raises(InputError, match="not found"):
         schedule_from_bench(tmp_path / "missing.json")
+    for schedule, most, field in [({"2": 4.9}, 4, "draft_len_schedule"), ({"x": 4}, 4, "draft_len_schedule"),
+                                  ({"2": 4}, "4", "max_draft_len")]:
+        path.write_text(json.dumps({"schedule": {"draft_len_schedule": schedule, "max_draft_len": most}}))
+        with pytest.raises(InputError, match=f"bench.json: field 'schedule.{field}'"):
+            schedule_from_bench(path)
+    with pytest.raises(InputError, match="is a directory; expected a JSON file"):
+        schedule_from_bench(tmp_path)
+    path.write_bytes(b"\x00\xbd binary")
+    with pytest.raises(InputError, match="bench.json: not valid JSON"):
+        schedule_from_bench(path)
 
 
 def test_projection_uses_the_published_inputs():

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
@@ -14,7 +15,7 @@ from safetensors import safe_open
 
 from trtllm_dflash.engine.build import BuildOptions, build_engine
 from trtllm_dflash.engine.load import reference_runtime
-from trtllm_dflash.engine.manifest import MANIFEST, open_engine
+from trtllm_dflash.engine.manifest import MANIFEST, OPTIONS_FILE, open_engine
 from trtllm_dflash.errors import InputError
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
@@ -98,7 +99,11 @@ def test_every_file_is_guarded(engine, tmp_path):
         assert str(file) in str(info.value)
         data[len(data) // 2] ^= 0xFF
         file.write_bytes(bytes(data))
-        open_engine(copy)  # same size: the cheap check passes
+        if rel == OPTIONS_FILE:  # parsed on every open: a flipped byte there may already fail to parse
+            with contextlib.suppress(InputError):
+                open_engine(copy)
+        else:
+            open_engine(copy)  # same size: the cheap check passes
         with pytest.raises(InputError, match="sha256") as info:
             open_engine(copy, verify_checksums=True)
         assert str(file) in str(info.value)
@@ -120,6 +125,22 @@ def test_incomplete_or_missing_manifest_is_refused(engine, tmp_path):
     (copy / MANIFEST).unlink()
     with pytest.raises(InputError, match="manifest.json"):
         open_engine(copy)
+
+
+def test_damaged_manifest_records_and_options_are_refused(engine, tmp_path):
+    copy = tmp_path / "e"
+    shutil.copytree(engine.root, copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    first = next(iter(manifest["files"]))
+    damaged = {**manifest, "files": {**manifest["files"], first: {"size": "big", "sha256": "0"}}}
+    (copy / MANIFEST).write_text(json.dumps(damaged))
+    with pytest.raises(InputError, match=f"field 'files\\['{first}'\\]'"):
+        open_engine(copy)
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    options = copy / "llm_api_options.yaml"
+    options.write_text(options.read_text().replace("max_draft_len:", "max_draft_len: [", 1))
+    with pytest.raises(InputError, match="llm_api_options.yaml"):
+        open_engine(copy)  # refused on opening, by every command, though the manifest does not guard content
 
 
 def test_existing_output_needs_force(tiny_pair, engine, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -131,3 +132,47 @@ def test_bad_input_amax_file_is_refused(tiny_pair, out, tmp_path):
     amax.write_text('{"model.layers.0.mlp.experts.down_proj": "big"}')
     result = run(["--target", target, "--drafter", drafter, "-o", out, "--quant", "nvfp4", "--input-amax", amax])
     refused(result, out, "amax.json", "weight name -> amax")
+
+
+def test_input_amax_is_checked_against_the_recipe_before_anything_is_written(tiny_pair, out, tmp_path):
+    target, drafter = tiny_pair
+    amax = tmp_path / "amax.json"
+    experts = {f"model.layers.{i}.mlp.experts.{p}": 3.0 for i in range(4) for p in ("gate_up_proj", "down_proj")}
+    for entries, needles in [
+        ({**experts, "model.layers.9.mlp.experts.down_proj": 1.0}, ["layers.9", "no FP8/NVFP4 weight"]),
+        (dict(list(experts.items())[:3]), ["need a calibrated input amax"]),
+        ({**experts, "model.layers.0.mlp.experts.down_proj": -1.0}, ["finite and > 0"]),
+    ]:
+        amax.write_text(json.dumps(entries))
+        for check in ([], ["--check"]):
+            refused(run(["--target", target, "--drafter", drafter, "-o", out, "--quant", "nvfp4",
+                         "--input-amax", amax, *check]), out, "amax.json", *needles)
+    refused(run(["--target", target, "--drafter", drafter, "-o", out, "--input-amax", amax]), out,
+            "amax.json", "--input-amax", "keeps the target")
+
+
+def test_a_stale_shard_index_is_found_by_check(tiny_pair, out, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target, drafter = tiny_pair
+    stale = tmp_path / "target"
+    shutil.copytree(target, stale)
+    tensors = load_file(stale / "model.safetensors")
+    (stale / "model.safetensors").unlink()
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    save_file({n: t for n, t in tensors.items() if n != "model.norm.weight"}, stale / first)
+    save_file({"model.norm.weight": tensors["model.norm.weight"]}, stale / second)
+    weight_map = {n: first for n in tensors} | {"model.norm.weight": second, "lm_head.weight": second}  # stale
+    (stale / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    refused(run(["--target", stale, "--drafter", drafter, "-o", out, "--quant", "nvfp4", "--check"]), out,
+            "model.safetensors.index.json", "lm_head.weight")
+
+
+def test_an_output_that_overlaps_a_source_is_refused(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    source = tmp_path / "target"
+    shutil.copytree(target, source)
+    for out in (source, source / "engine", tmp_path):
+        result = run(["--target", source, "--drafter", drafter, "-o", out, "--force"])
+        assert result.exit_code == 2 and "overlaps the source checkpoint" in result.output, result.output
+    assert sorted(p.name for p in source.iterdir()) == sorted(p.name for p in target.iterdir())

@@ -16,10 +16,10 @@ bands where it did bind are reported.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..checkpoints.hf import read_json
 from ..errors import InputError
 from .cost_model import CostModel
 from .points import BenchPoint
@@ -105,20 +105,20 @@ def schedule_from_bench(path: str | Path) -> dict[int, int]:
     """The draft_len_schedule a dflash-bench JSON recommends, keys as ints, validated for TensorRT-LLM.
     Its max_draft_len is the value of the smallest key; {} means build without speculation."""
     path = Path(path)
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise InputError("file not found.", path=path) from None
-    except json.JSONDecodeError as exc:
-        raise InputError(f"not valid JSON ({exc}).", path=path) from None
-    section = raw.get("schedule") if isinstance(raw, dict) else None
+    section = read_json(path).get("schedule")
     if not isinstance(section, dict) or not isinstance(section.get("draft_len_schedule"), dict):
         raise InputError("no schedule in this file; is it a dflash-bench JSON?", path=path,
                          field="schedule.draft_len_schedule")
-    try:
-        schedule = {int(k): int(v) for k, v in section["draft_len_schedule"].items()}
-    except (TypeError, ValueError):
-        raise InputError("keys and values must be integers.", path=path, field="schedule.draft_len_schedule") from None
-    schedule = dict(sorted(schedule.items()))
-    check_schedule(schedule, section.get("max_draft_len") if schedule else None, path)
+    raw, most = section["draft_len_schedule"], section.get("max_draft_len")
+    if not all(key.strip().isdigit() and is_int(value) for key, value in raw.items()):
+        raise InputError(f"expected integer batch sizes mapped to integer draft lengths, got {raw}.", path=path,
+                         field="schedule.draft_len_schedule")
+    schedule = dict(sorted((int(key), value) for key, value in raw.items()))
+    if schedule and not is_int(most):
+        raise InputError(f"expected an integer, got {most!r}.", path=path, field="schedule.max_draft_len")
+    check_schedule(schedule, most if schedule else None, path)
     return schedule
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

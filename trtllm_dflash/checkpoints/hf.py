@@ -18,6 +18,8 @@ SINGLE_FILE = "model.safetensors"
 
 def read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
+        if path.is_dir():
+            raise InputError("is a directory; expected a JSON file here.", path=path)
         if path.parent.is_file():  # a file given where its directory was meant (`--target DIR/config.json`)
             raise InputError(f"is a file; expected the directory that holds {path.name}.", path=path.parent)
         raise InputError("file not found; expected a JSON file here.", path=path)

@@ -65,6 +65,7 @@ class BuildOptions:
     # JSON {logical weight name: activation amax} for the target's static input scales (NVFP4 gpt-oss
     # experts need them); None: calibrate the target on CALIBRATION_PROMPTS when the recipe needs it
     input_amax_file: Path | None = None
+    schedule_file: Path | None = None  # where draft_len_schedule came from (named in errors)
 
 
 @dataclass(frozen=True)
@@ -104,12 +105,17 @@ def plan_build(options: BuildOptions) -> BuildPlan:
     profile_file = profile_path(options.profile)
     profile = load_profile(profile_file)
     pair = validate_pair(options.target_dir, options.drafter_dir)
-    if options.quant != KEEP:
-        check_convertible(pair.target_dir)
+    check_apart_from_sources(options, pair)
     input_amax = None if options.input_amax_file is None else read_input_amax(options.input_amax_file)
+    if options.quant != KEEP:
+        check_convertible(pair.target_dir, options.quant, input_amax, options.input_amax_file)
+    elif input_amax is not None:
+        raise InputError("input amax only sets the static input scales of --quant fp8 or nvfp4; this build keeps "
+                         "the target as it is.", path=options.input_amax_file, field="--input-amax")
     llm_options = render_options(profile, pair, options, profile_file)
     spec = llm_options.speculative_config
-    checks.check_draft_len(spec.max_draft_len, pair)
+    checks.check_draft_len(spec.max_draft_len, pair, "--max-draft-len" if options.schedule_file is None
+                           else f"--schedule-from {options.schedule_file}")
     checks.check_seq_len(llm_options.max_seq_len, pair)
     checks.check_tokenizers(pair)
     checks.check_quant(options.quant, profile, "--quant")
@@ -125,11 +131,30 @@ def check_output(path: Path, force: bool, option: str) -> None:
         raise InputError("exists and is not empty; pass --force to replace it.", path=path, field=option)
 
 
-def check_convertible(target_dir: Path) -> None:
-    """The converter takes bf16 or native-MXFP4 sources only; say so before anything is written."""
-    from ..quant.convert import check_source
+def check_convertible(target_dir: Path, recipe: str, input_amax: dict[str, float] | None,
+                      input_amax_file: Path | None) -> None:
+    """What the converter would refuse, said before anything is written: a source that is not bf16
+    or native MXFP4, a shard index that disagrees with the shards, an input-amax file that does not
+    fit the recipe."""
+    from ..quant.convert import check_input_amax, check_source, planned_formats
 
     check_source(target_dir, read_json(target_dir / "config.json"))
+    if input_amax is None:
+        planned_formats(target_dir, recipe)
+    else:
+        check_input_amax(target_dir, recipe, input_amax, input_amax_file)
+
+
+def check_apart_from_sources(options: BuildOptions, pair: Pair) -> None:
+    """An output that is, holds or sits inside a source checkpoint would overwrite or change it."""
+    for output, option in ((options.output_dir, "--output"), (options.triton_repo, "--triton-repo")):
+        if output is None:
+            continue
+        out = output.resolve()
+        for source in (pair.target_dir.resolve(), pair.drafter_dir.resolve()):
+            if out == source or out.is_relative_to(source) or source.is_relative_to(out):
+                raise InputError(f"overlaps the source checkpoint {source}; write the engine elsewhere.",
+                                 path=output, field=option)
 
 
 def read_input_amax(path: Path) -> dict[str, float]:

@@ -29,12 +29,12 @@ HOPPER_ALTERNATIVES = "use --quant keep (native MXFP4, run as W4A16_MXFP4), mxfp
 BLACKWELL_ALGOS = ("NVFP4", "MXFP8")
 
 
-def check_draft_len(max_draft_len: int, pair: Pair) -> None:
+def check_draft_len(max_draft_len: int, pair: Pair, source: str = "--max-draft-len") -> None:
     block = pair.drafter_config.block_size
     if not 1 <= max_draft_len <= block - 1:
         raise InputError(f"expected 1..{block - 1} (the drafter's block_size {block} minus the anchor slot; "
                          f"{pair.drafter_dir / 'config.json'} field 'block_size'), got {max_draft_len}.",
-                         field="--max-draft-len")
+                         field=source)
 
 
 def check_seq_len(max_seq_len: int, pair: Pair) -> None:

@@ -121,8 +121,13 @@ def open_engine(path: str | Path, verify_checksums: bool = False) -> Engine:
     if not isinstance(files, dict) or not files:
         raise InputError("expected a non-empty object of file records.", path=manifest_path, field="files")
     for name, record in files.items():
+        if not (isinstance(record, dict) and type(record.get("size")) is int and isinstance(record.get("sha256"), str)):
+            raise InputError('expected {"size": integer, "sha256": hex string}.', path=manifest_path,
+                             field=f"files[{name!r}]")
         check_file(root, name, record, verify_checksums)
-    return Engine(root, root / TARGET, root / DRAFTER, root / OPTIONS_FILE, manifest)
+    engine = Engine(root, root / TARGET, root / DRAFTER, root / OPTIONS_FILE, manifest)
+    engine.llm_api_options()  # parsed and validated here, so every command refuses a damaged options file
+    return engine
 
 
 def check_file(root: Path, name: str, record: FileRecord, verify_checksum: bool) -> None:

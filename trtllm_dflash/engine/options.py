@@ -190,7 +190,7 @@ def read_yaml(path: Path) -> Any:
         raise InputError("file not found; expected a YAML file here.", path=path)
     try:
         return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise InputError(f"not valid YAML ({exc}).", path=path) from None
 
 

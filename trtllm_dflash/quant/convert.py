@@ -416,12 +416,13 @@ def check_source(src: Path, config: dict) -> None:
         )
 
 
-def _check_amax(input_amax: Mapping[str, float], formats: dict[str, Format]) -> None:
+def _check_amax(input_amax: Mapping[str, float], formats: dict[str, Format], path: Path | None = None) -> None:
     for name, amax in input_amax.items():
         if formats.get(name) not in (Format.FP8, Format.NVFP4):
-            raise InputError("no FP8/NVFP4 weight of this name in the recipe's output", field=f"input_amax[{name!r}]")
+            raise InputError("no FP8/NVFP4 weight of this name in the recipe's output", path=path,
+                             field=f"input_amax[{name!r}]")
         if not (math.isfinite(amax) and amax > 0):
-            raise InputError(f"amax must be finite and > 0, got {amax}", field=f"input_amax[{name!r}]")
+            raise InputError(f"amax must be finite and > 0, got {amax}", path=path, field=f"input_amax[{name!r}]")
 
 
 def required_input_amax(formats: Mapping[str, Format]) -> list[str]:
@@ -431,18 +432,32 @@ def required_input_amax(formats: Mapping[str, Format]) -> list[str]:
     return sorted(n for n, f in formats.items() if f is Format.NVFP4 and is_expert(n))
 
 
+def planned_formats(src: str | Path, recipe: str) -> dict[str, Format]:
+    """The format :func:`convert_checkpoint` gives each logical parameter of ``src`` under ``recipe``,
+    from config.json and the safetensors headers only (which also checks the shard index)."""
+    src = Path(src)
+    config = read_json(src / "config.json")
+    names = [p.name for p in source_params(ShardedReader(src))]
+    plan = get_recipe(recipe, "gpt_oss" if is_gpt_oss(config, names) else None)
+    return {n: plan.format_for(n) for n in names}
+
+
 def needs_input_amax(src: str | Path, recipe: str) -> list[str]:
     """The logical names :func:`convert_checkpoint` will refuse to convert ``src`` with ``recipe``
     without an ``input_amax`` entry for (reads only config.json and the safetensors headers)."""
-    src = Path(src)
-    config = read_json(src / "config.json")
-    params = source_params(ShardedReader(src))
-    names = [p.name for p in params]
-    plan = get_recipe(recipe, "gpt_oss" if is_gpt_oss(config, names) else None)
-    return required_input_amax({n: plan.format_for(n) for n in names})
+    return required_input_amax(planned_formats(src, recipe))
 
 
-def _check_required_amax(input_amax: Mapping[str, float], formats: Mapping[str, Format], recipe: str) -> None:
+def check_input_amax(src: str | Path, recipe: str, input_amax: Mapping[str, float], path: Path) -> None:
+    """What :func:`convert_checkpoint` would refuse in ``input_amax`` (read from ``path``), found
+    before anything is written."""
+    formats = planned_formats(src, recipe)
+    _check_amax(input_amax, formats, path)
+    _check_required_amax(input_amax, formats, recipe, path)
+
+
+def _check_required_amax(input_amax: Mapping[str, float], formats: Mapping[str, Format], recipe: str,
+                         path: Path | None = None) -> None:
     missing = [n for n in required_input_amax(formats) if n not in input_amax]
     if missing:
         raise InputError(
@@ -452,6 +467,7 @@ def _check_required_amax(input_amax: Mapping[str, float], formats: Mapping[str, 
             f"for_recipe(amax, {recipe!r}, model_type='gpt_oss')) and pass the result as input_amax, or let "
             "dflash-build do it (it calibrates the target on built-in prompts for --quant nvfp4); "
             "--quant mxfp4 needs no calibration",
+            path=path,
             field=f"input_amax[{missing[0]!r}]",
         )
 
