@@ -87,6 +87,7 @@ def main(engine_dir, target_dir, drafter_dir, prompts_file, concurrency, draft_l
     from trtllm_dflash.checkpoints.validate import validate_pair
     from trtllm_dflash.models.drafter import load_drafter
     from trtllm_dflash.models.target import GptOssTarget
+    from trtllm_dflash.runtime.interface import check_request
     from trtllm_dflash.runtime.sampling import SamplingParams
 
     for name, value, least in (("--repeats", repeats, 1), ("--requests", requests, 0), ("--max-tokens", max_tokens, 1)):
@@ -101,6 +102,8 @@ def main(engine_dir, target_dir, drafter_dir, prompts_file, concurrency, draft_l
         raise InputError(f"draft lengths go up to block_size - 1 = {most} for this drafter.", field="--draft-lengths")
     levels = parse_ints(concurrency, "--concurrency", 1)
     prompts, prompt_source = load_prompts(prompts_file, target_dir)
+    check_request(prompts, 1, pair.target_config["vocab_size"], max_tokens,
+                  pair.target_config.get("max_position_embeddings"))  # before any model is loaded
 
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)

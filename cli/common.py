@@ -43,10 +43,17 @@ def parse_ints(text: str, option: str, least: int) -> list[int]:
 
 
 def resolve_device(device: str) -> torch.device:
+    """auto, cpu, cuda or cuda:N (the devices the reference runtime supports)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise InputError(f"expected auto, cpu, cuda or cuda:N, got {device!r}.", field="--device")
+    if kind == "cuda" and not torch.cuda.is_available():
         raise InputError("CUDA was asked for but no CUDA device is available here.", field="--device")
+    if index and int(index) >= torch.cuda.device_count():
+        raise InputError(f"this machine has {torch.cuda.device_count()} CUDA device(s); {device} is not one.",
+                         field="--device")
     return torch.device(device)
 
 

@@ -191,7 +191,7 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     """Run the DFlash draft-verify loop on ENGINE_DIR (or --target/--drafter, or the embedded default)."""
     from trtllm_dflash.checkpoints.gpt_oss import stop_token_ids
     from trtllm_dflash.checkpoints.validate import validate_pair
-    from trtllm_dflash.runtime.interface import choose_backend
+    from trtllm_dflash.runtime.interface import check_request, choose_backend
     from trtllm_dflash.runtime.sampling import SamplingParams
     from trtllm_dflash.runtime.stats import GenerationInterrupted
 
@@ -219,6 +219,8 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     prompt_ids = encode_prompts(prompts, tokenizer, chat, target_dir)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             stop_token_ids=tuple(stop_token_ids(target_dir, pair.target_config)))
+    check_request(prompt_ids, batch_size, pair.target_config["vocab_size"], max_tokens,
+                  pair.target_config.get("max_position_embeddings"))  # before any model is loaded
 
     chosen, reason = choose_backend(backend)
     click.echo(f"backend: {chosen} ({reason})", err=True)

@@ -174,7 +174,7 @@ def test_ctrl_c_prints_statistics_and_exits_130(tiny_pair):
     # A suite started in the background by a non-interactive shell inherits SIGINT ignored, and Python
     # then keeps it ignored: restore the default so the child behaves as in a terminal.
     proc = subprocess.Popen([sys.executable, "-u", "-c", code, "--target", str(target), "--drafter", str(drafter),
-                             "--prompt", "stream me", "--max-tokens", "100000"],
+                             "--prompt", "stream me", "--max-tokens", "4000"],  # the tiny target holds 4096 positions
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -270,3 +270,33 @@ def test_a_failed_file_operation_is_one_line_naming_the_file():
     result = CliRunner().invoke(write, [])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert result.output.strip() == "error: /engines/target/model-00001.safetensors: No space left on device"
+
+
+def test_bad_prompt_ids_devices_and_lengths_are_refused_before_loading(tiny_pair, tmp_path):
+    target, drafter = tiny_pair  # vocab 258, max_position_embeddings 4096
+    cases = [
+        ({"prompt_token_ids": [5, 258]}, "outside [0, 258)"),
+        ({"prompt_token_ids": [5, -1]}, "outside [0, 258)"),
+        ({"prompt_token_ids": []}, "prompt 0 is empty"),
+        ({"prompt_token_ids": [5, 1.5]}, "integer token ids"),
+        ({"prompt_token_ids": [5, "3"]}, "integer token ids"),
+        ({"prompt_token_ids": [5, True]}, "integer token ids"),
+        ({"prompt_token_ids": [5, None]}, "integer token ids"),
+        ({"prompt": ""}, "prompt 0 is empty"),
+    ]
+    for record, message in cases:
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text(json.dumps(record) + "\n")
+        result = invoke("--target", target, "--drafter", drafter, "--prompts-file", prompts, "--no-stream")
+        assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, record
+    for args, message in [
+        (["--device", "tpu"], "expected auto, cpu, cuda or cuda:N"),
+        (["--device", "meta"], "expected auto, cpu, cuda or cuda:N"),
+        (["--device", ""], "expected auto, cpu, cuda or cuda:N"),
+        (["--device", "cpu:1"], "expected auto, cpu, cuda or cuda:N"),
+        (["--max-tokens", 4095], "max_position_embeddings (4096)"),
+        (["--temperature", "inf"], "finite and >= 0"),
+        (["--temperature", "nan"], "finite and >= 0"),
+    ]:
+        result = invoke("--target", target, "--drafter", drafter, "--prompt", "ab", "--no-stream", *args)
+        assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, args

@@ -32,6 +32,11 @@ def test_backend_choice_rejects_unknown_and_bad_requests():
         check_request([[]], 1)
     with pytest.raises(InputError, match="outside"):
         check_request([[5, 300]], 1, vocab_size=258)
+    with pytest.raises(InputError, match="outside"):
+        check_request([[5, -1]], 1, vocab_size=258)
+    check_request([[1, 2]], 1, max_tokens=4094, max_positions=4096)
+    with pytest.raises(InputError, match="max_position_embeddings"):
+        check_request([[1, 2]], 1, max_tokens=4095, max_positions=4096)
 
 
 def test_mxfp4_target_is_lossless(tmp_path):

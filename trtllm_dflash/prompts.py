@@ -33,7 +33,11 @@ def read_prompts_file(path: Path) -> list[str | list[int]]:
         if isinstance(record.get("prompt"), str):
             prompts.append(record["prompt"])
         elif isinstance(record.get("prompt_token_ids"), list):
-            prompts.append([int(t) for t in record["prompt_token_ids"]])
+            ids = record["prompt_token_ids"]
+            if not all(type(t) is int for t in ids):  # not bool, float or str: no silent coercion
+                raise InputError(f"line {number}: expected a list of integer token ids, got {ids[:8]}.", path=path,
+                                 field="prompt_token_ids")
+            prompts.append(ids)
         else:
             raise InputError(f"line {number} has neither a string 'prompt' nor a list 'prompt_token_ids'.",
                              path=path, field="prompt")

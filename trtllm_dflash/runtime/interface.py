@@ -27,9 +27,11 @@ class Runtime(Protocol):
                  on_tokens: OnTokens | None = None) -> list[GenerationResult]: ...
 
 
-def check_request(prompts: Sequence[Sequence[int]], batch_size: int, vocab_size: int | None = None) -> None:
+def check_request(prompts: Sequence[Sequence[int]], batch_size: int, vocab_size: int | None = None,
+                  max_tokens: int = 0, max_positions: int | None = None) -> None:
     """What every backend refuses before generating: a batch size below 1, empty prompts, ids
-    outside the vocabulary (when the backend knows it)."""
+    outside the vocabulary, and prompt + max_tokens beyond the target's positions (the last two
+    when the backend knows the target; the reference runtime sizes its K/V cache from them)."""
     if batch_size < 1:
         raise InputError(f"expected at least 1, got {batch_size}.", field="batch_size")
     for i, prompt in enumerate(prompts):
@@ -37,6 +39,9 @@ def check_request(prompts: Sequence[Sequence[int]], batch_size: int, vocab_size:
             raise InputError(f"prompt {i} is empty; at least one token is needed.", field="prompt")
         if vocab_size is not None and (max(prompt) >= vocab_size or min(prompt) < 0):
             raise InputError(f"prompt {i} has token ids outside [0, {vocab_size}).", field="prompt")
+        if max_positions is not None and len(prompt) + max_tokens > max_positions:
+            raise InputError(f"prompt {i} ({len(prompt)} tokens) plus max_tokens {max_tokens} exceeds the target's "
+                             f"max_position_embeddings ({max_positions}).", field="max_tokens")
 
 
 def cuda_device_capability() -> tuple[int, int] | None:

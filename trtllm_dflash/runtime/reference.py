@@ -193,11 +193,12 @@ class ReferenceRuntime:
     def warm_up(self, prompt: Sequence[int]) -> None:
         """One short untimed generation: first calls pay one-time allocation and dispatch costs
         that would otherwise land in the first measured run."""
-        generate_batch(self.target, self.proposer, [prompt], SamplingParams(max_tokens=3))
+        self.generate([prompt], SamplingParams(max_tokens=3))
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, batch_size: int = 1,
                  on_tokens: OnTokens | None = None) -> list[GenerationResult]:
-        check_request(prompts, batch_size, self.target.vocab_size)
+        check_request(prompts, batch_size, self.target.vocab_size, params.max_tokens,
+                      self.target.config.max_position_embeddings)
         results: list[GenerationResult] = []
         self.step_times = {"draft": 0.0, "verify": 0.0}
         for first in range(0, len(prompts), batch_size):

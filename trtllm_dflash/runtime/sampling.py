@@ -6,6 +6,8 @@ verifies against exactly the distribution plain sampling would use.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +27,7 @@ class SamplingParams:
     def __post_init__(self):
         checks = [
             (self.max_tokens >= 1, "max_tokens", "at least 1"),
-            (self.temperature >= 0, "temperature", ">= 0"),
+            (0 <= self.temperature < math.inf, "temperature", "finite and >= 0"),
             (0 < self.top_p <= 1, "top_p", "in (0, 1]"),
             (self.top_k >= 0, "top_k", ">= 0"),
         ]

@@ -2,7 +2,10 @@
 
 Per verify step a request keeps `a` drafts (0..block_size-1) and commits `a + 1` tokens.
 acceptance length (tau) = mean of a + 1 over steps; per-position acceptance k = fraction of steps
-whose draft k (1-based) was kept; the histogram counts steps by `a`.
+whose draft k (1-based) was kept; the histogram counts steps by `a`. These measure the verifier's
+verdicts, the usual definition: a request's last step counts every draft it kept, also those past
+a stop token or max_tokens that are never returned (so tau can exceed returned tokens / steps by up
+to (block_size - 1) / steps). Token rates count returned tokens only.
 """
 
 from __future__ import annotations
