@@ -46,8 +46,8 @@ def resolve_device(device: str) -> torch.device:
     """auto, cpu, cuda or cuda:N (the devices the reference runtime supports)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kind, _, index = device.partition(":")
-    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+    kind, colon, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (colon and (kind == "cpu" or not index.isdigit())):
         raise InputError(f"expected auto, cpu, cuda or cuda:N, got {device!r}.", field="--device")
     if kind == "cuda" and not torch.cuda.is_available():
         raise InputError("CUDA was asked for but no CUDA device is available here.", field="--device")

@@ -294,6 +294,7 @@ def test_bad_prompt_ids_devices_and_lengths_are_refused_before_loading(tiny_pair
         (["--device", "meta"], "expected auto, cpu, cuda or cuda:N"),
         (["--device", ""], "expected auto, cpu, cuda or cuda:N"),
         (["--device", "cpu:1"], "expected auto, cpu, cuda or cuda:N"),
+        (["--device", "cuda:"], "expected auto, cpu, cuda or cuda:N"),
         (["--max-tokens", 4095], "max_position_embeddings (4096)"),
         (["--temperature", "inf"], "finite and >= 0"),
         (["--temperature", "nan"], "finite and >= 0"),
