@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
+from trtllm_dflash.errors import InputError
 from trtllm_dflash.models.drafter import load_drafter
 from trtllm_dflash.models.random_pair import (drafter_config_for, save_byte_tokenizer, save_random_drafter,
                                              save_random_target, tiny_target_config)
@@ -183,3 +186,18 @@ def test_bad_training_input_fails_before_the_run_directory_exists(tmp_path):
         assert result.exit_code == 2 and message in result.output, result.output
         assert "Traceback" not in result.output
         assert not out.exists() and not (a_file / "run").exists()
+
+
+def test_a_resume_with_other_settings_is_refused(tmp_path):
+    target_dir, _, _ = short_training_run(tmp_path, torch.device("cpu"), resume=False)
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["config"]
+    cfg = TrainConfig(**{k: v for k, v in saved.items()})
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "run"
+    for change in ({"block_size": 8}, {"drafter_layers": 2}, {"response_tokens": 48}):
+        with pytest.raises(InputError, match=f"--{next(iter(change)).replace('_', '-')}"):
+            train(target_dir, out, dataclasses.replace(cfg, **change), "file", prompts, None, torch.device("cpu"),
+                  None)
+    (out / "checkpoint.pt").unlink()  # the cached responses alone also fix the sequence length
+    with pytest.raises(InputError, match="cached sequences are 48 tokens long"):
+        train(target_dir, out, dataclasses.replace(cfg, response_tokens=40), "file", prompts, None,
+              torch.device("cpu"), None)

@@ -324,6 +324,20 @@ def warm_start(drafter: DFlashDrafter, source: Path) -> list[str]:
     return fresh
 
 
+# What a run directory fixes: the drafter's shape and the training data. Steps, lr, anchors, feature
+# caching and the like may change between a run and its resume.
+RUN_FIXED = ("drafter_layers", "block_size", "num_features", "target_layer_ids", "intermediate_size",
+             "prompt_tokens", "prompt_stride", "response_tokens", "num_samples")
+
+
+def check_resumable(saved: dict, cfg: TrainConfig, checkpoint: Path) -> None:
+    changed = [f"--{name.replace('_', '-')} {saved.get(name)} -> {getattr(cfg, name)}"
+               for name in RUN_FIXED if name in saved and saved[name] != getattr(cfg, name)]
+    if changed:
+        raise InputError(f"this run was started with other settings ({', '.join(changed)}); resume with the "
+                         "run's settings, or train into a new --out.", path=checkpoint)
+
+
 def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file: Path | None,
           mask_token_id: int | None, device: torch.device, max_minutes: float | None) -> Path:
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -346,8 +360,11 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
         raise InputError(f"ids {bad} are outside the target's decoder layers [0, {target.num_layers}) (0-based).",
                          field="--target-layer-ids")
     checkpoint_path, data_path = out / "checkpoint.pt", out / "responses.pt"
+    state = torch.load(checkpoint_path, weights_only=False) if checkpoint_path.is_file() else None
+    if state is not None:
+        check_resumable(state["config"], cfg, checkpoint_path)
     drafter = new_drafter(target, cfg, mask_token_id).to(device)
-    fresh = warm_start(drafter, Path(cfg.init_from)) if cfg.init_from and not checkpoint_path.is_file() else None
+    fresh = warm_start(drafter, Path(cfg.init_from)) if cfg.init_from and state is None else None
     prompts = None
     if not data_path.is_file():
         prompts = (prompts_from_file(prompts_file, tokenizer, cfg.prompt_tokens) if data == "file"
@@ -362,6 +379,10 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
     with Progress(*columns) as progress:
         if prompts is None:
             sequences = torch.load(data_path)
+            if sequences.shape[1] != cfg.prompt_tokens + cfg.response_tokens:
+                raise InputError(f"cached sequences are {sequences.shape[1]} tokens long, not --prompt-tokens + "
+                                 f"--response-tokens = {cfg.prompt_tokens + cfg.response_tokens}; use the run's "
+                                 "settings or a new --out.", path=data_path)
         else:
             task = progress.add_task("regenerating responses", total=len(prompts), info="")
             sequences = torch.tensor(regenerate(target, prompts, cfg.response_tokens,
@@ -377,8 +398,7 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
         step, history = 0, []
         # per sequence, where the runtime would have drafted after its last visit's blocks (-1: none yet)
         walk = torch.full((len(sequences), cfg.anchors_per_sequence), -1, dtype=torch.int64)
-        if checkpoint_path.is_file():
-            state = torch.load(checkpoint_path, weights_only=False)
+        if state is not None:
             drafter.load_state_dict(state["drafter"])
             optimizer.load_state_dict(state["optimizer"])
             gen.set_state(state["generator"])
