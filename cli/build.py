@@ -52,9 +52,13 @@ def embedded_pair() -> tuple[Path, Path]:
 @click.option("--input-amax", "input_amax_file", type=click.Path(path_type=Path),
               help="JSON of calibrated activation amax per weight name (input_scale of NVFP4 experts). "
                    "Default with --quant nvfp4: calibrate the target here (small models only).")
+@click.option("--calibration-prompts", "calibration_prompts_file", type=click.Path(path_type=Path),
+              help="Text or JSONL prompts to calibrate the target's static input scales on (--quant fp8 or "
+                   "nvfp4). Default: a few built-in prompts where NVFP4 experts need the scales.")
 @clean_errors
 def main(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_cache_dtype, max_draft_len,
-         max_seq_len, tp, ep, triton_repo, check, force, quiet, trt_drafter, schedule_from, input_amax_file):
+         max_seq_len, tp, ep, triton_repo, check, force, quiet, trt_drafter, schedule_from, input_amax_file,
+         calibration_prompts_file):
     """Build an engine directory: checkpoints, llm_api_options.yaml, a Triton repository and a
     manifest with the sha256 of every file. Interrupted builds resume where they stopped."""
     from trtllm_dflash.engine.build import BuildOptions, build_engine, plan_build
@@ -77,7 +81,8 @@ def main(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_
                              field="--max-draft-len")
     options = BuildOptions(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_cache_dtype,
                            max_draft_len, max_seq_len, tp, ep, triton_repo, force, schedule, trt_drafter,
-                           input_amax_file, schedule_file=schedule_from)
+                           input_amax_file, schedule_file=schedule_from,
+                           calibration_prompts_file=calibration_prompts_file)
     if check:
         plan = plan_build(options)
         spec = plan.llm_options.speculative_config

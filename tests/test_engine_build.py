@@ -186,6 +186,34 @@ def test_nvfp4_target_build_calibrates_input_scales(tiny_pair, tmp_path):
     assert float(scale) == pytest.approx(3.0 / (6 * 448))
 
 
+def test_calibration_prompts_set_the_static_input_scales(tiny_pair, tmp_path):
+    """--calibration-prompts: the target is calibrated on the user's prompts (nvfp4 experts; fp8 also
+    gets its attention input scales), and the stage key follows the prompts."""
+    from trtllm_dflash.checkpoints.safetensors_io import ShardedReader
+    from trtllm_dflash.engine.build import calibrate_target
+
+    target, drafter = tiny_pair
+    prompts = tmp_path / "calibration.jsonl"
+    ids = [[7, 8, 9, 10, 11, 12], [200, 3, 3, 3]]
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in ids))
+    for recipe, name in (("nvfp4", "model.layers.1.mlp.experts.down_proj"),
+                         ("fp8", "model.layers.1.self_attn.q_proj.weight")):
+        built = build_engine(BuildOptions(target, drafter, tmp_path / recipe, quant=recipe, max_draft_len=2,
+                                          calibration_prompts_file=prompts), show_progress=False, log=lambda _: None)
+        expected = calibrate_target(target, recipe, ids)[name] / (6 * 448 if recipe == "nvfp4" else 448)
+        scale_name = name.removesuffix(".weight") + ".input_scale" if recipe == "fp8" else name + "_input_scale"
+        assert float(ShardedReader(built.engine.target_dir).read(scale_name)) == pytest.approx(expected)
+        default = calibrate_target(target, recipe)[name] / (6 * 448 if recipe == "nvfp4" else 448)
+        assert expected != pytest.approx(default)  # the prompts mattered
+    for options, message in [
+        (BuildOptions(target, drafter, tmp_path / "k", calibration_prompts_file=prompts), "not keep"),
+        (BuildOptions(target, drafter, tmp_path / "a", quant="nvfp4", calibration_prompts_file=prompts,
+                      input_amax_file=tmp_path / "amax.json"), "not both"),
+    ]:
+        with pytest.raises(InputError, match=message):
+            build_engine(options, show_progress=False)
+
+
 def test_default_engine_cache_follows_the_pair_content(tiny_pair, tmp_path, monkeypatch):
     """A re-shipped embedded pair (same toolkit version) must not reuse the old cached engine."""
     from trtllm_dflash.engine.build import default_engine_dir

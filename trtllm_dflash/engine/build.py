@@ -66,6 +66,8 @@ class BuildOptions:
     # experts need them); None: calibrate the target on CALIBRATION_PROMPTS when the recipe needs it
     input_amax_file: Path | None = None
     schedule_file: Path | None = None  # where draft_len_schedule came from (named in errors)
+    # text or JSONL prompts to calibrate the target on instead of CALIBRATION_PROMPTS (fp8 / nvfp4)
+    calibration_prompts_file: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class BuildPlan:
     profile_file: Path
     llm_options: LlmApiOptions
     input_amax: dict[str, float] | None = None  # read from options.input_amax_file
+    calibration_ids: list[list[int]] | None = None  # options.calibration_prompts_file, tokenized
 
 
 @dataclass
@@ -99,6 +102,8 @@ def plan_build(options: BuildOptions) -> BuildPlan:
     if options.kv_cache_dtype is not None and options.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise InputError(f"expected one of {', '.join(KV_CACHE_DTYPES)}, got {options.kv_cache_dtype!r}.",
                          field="--kv-cache-dtype")
+    if options.calibration_prompts_file is not None and options.input_amax_file is not None:
+        raise InputError("give --calibration-prompts or --input-amax, not both.", field="--calibration-prompts")
     check_output(options.output_dir, options.force, "--output")
     if options.triton_repo is not None:
         check_output(options.triton_repo, options.force, "--triton-repo")
@@ -112,6 +117,9 @@ def plan_build(options: BuildOptions) -> BuildPlan:
     elif input_amax is not None:
         raise InputError("input amax only sets the static input scales of --quant fp8 or nvfp4; this build keeps "
                          "the target as it is.", path=options.input_amax_file, field="--input-amax")
+    calibration_ids = None
+    if options.calibration_prompts_file is not None:
+        calibration_ids = read_calibration_prompts(options, pair)
     llm_options = render_options(profile, pair, options, profile_file)
     spec = llm_options.speculative_config
     checks.check_draft_len(spec.max_draft_len, pair, "--max-draft-len" if options.schedule_file is None
@@ -122,7 +130,7 @@ def plan_build(options: BuildOptions) -> BuildPlan:
     checks.check_quant(options.drafter_quant, profile, "--drafter-quant")
     checks.check_profile_hardware(llm_options, profile, str(profile_file))
     checks.check_parallel(llm_options, pair)
-    return BuildPlan(options, pair, profile, profile_file, llm_options, input_amax)
+    return BuildPlan(options, pair, profile, profile_file, llm_options, input_amax, calibration_ids)
 
 
 def check_output(path: Path, force: bool, option: str) -> None:
@@ -155,6 +163,23 @@ def check_apart_from_sources(options: BuildOptions, pair: Pair) -> None:
             if out == source or out.is_relative_to(source) or source.is_relative_to(out):
                 raise InputError(f"overlaps the source checkpoint {source}; write the engine elsewhere.",
                                  path=output, field=option)
+
+
+def read_calibration_prompts(options: BuildOptions, pair: Pair) -> list[list[int]]:
+    """The calibration prompts as token ids, checked: only where a calibration is used, not next to
+    precomputed amax, each prompt non-empty and inside the target's vocabulary."""
+    from ..prompts import load_tokenizer, read_prompts_file
+    from ..runtime.interface import check_request
+
+    field, path = "--calibration-prompts", options.calibration_prompts_file
+    if options.quant not in ("fp8", "nvfp4"):
+        raise InputError(f"calibration sets the static input scales of --quant fp8 or nvfp4, not {options.quant}.",
+                         path=path, field=field)
+    prompts = read_prompts_file(path)
+    tokenizer = load_tokenizer(pair.target_dir) if any(isinstance(p, str) for p in prompts) else None
+    ids = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    check_request(ids, 1, pair.target_config["vocab_size"], 0, pair.target_config.get("max_position_embeddings"))
+    return ids
 
 
 def read_input_amax(path: Path) -> dict[str, float]:
@@ -326,10 +351,11 @@ def calibration_token_ids(target_dir: Path, vocab_size: int) -> list[list[int]]:
     return [[(7919 * (i * 64 + j) + 13) % vocab_size for j in range(64)] for i in range(len(CALIBRATION_PROMPTS))]
 
 
-def calibrate_target(target_dir: Path, recipe: str) -> dict[str, float]:
-    """Input amax of the target's quantized weights from a prefill of CALIBRATION_PROMPTS in the
-    reference model (transformers, experts dequantized: CPU fp32, or CUDA bf16 when available).
-    For gpt-oss-120b that needs the dequantized model in memory; pass `input_amax_file` instead."""
+def calibrate_target(target_dir: Path, recipe: str, prompts: list[list[int]] | None = None) -> dict[str, float]:
+    """Input amax of the target's quantized weights from a prefill of `prompts` (token ids; default
+    CALIBRATION_PROMPTS) in the reference model (transformers, experts dequantized: CPU fp32, or
+    CUDA bf16 when available). For gpt-oss-120b that needs the dequantized model in memory; pass
+    precomputed amax (`--input-amax`) instead."""
     import torch
 
     from ..checkpoints.gpt_oss import load_hf_gpt_oss
@@ -337,7 +363,7 @@ def calibrate_target(target_dir: Path, recipe: str) -> dict[str, float]:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_hf_gpt_oss(target_dir, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    prompts = calibration_token_ids(target_dir, model.config.vocab_size)
+    prompts = prompts or calibration_token_ids(target_dir, model.config.vocab_size)
 
     def run() -> None:
         with torch.no_grad():
@@ -348,14 +374,15 @@ def calibrate_target(target_dir: Path, recipe: str) -> dict[str, float]:
 
 
 def convert(src: Path, dst: Path, recipe: str, kv_cache_dtype: str, show_progress: bool,
-            input_amax: dict[str, float] | None = None) -> None:
-    """Convert one checkpoint. The target loader's required input scales (NVFP4 gpt-oss experts)
-    come from `input_amax` (an `--input-amax` file) or, without it, from calibrating the target here."""
+            input_amax: dict[str, float] | None = None, calibration_ids: list[list[int]] | None = None) -> None:
+    """Convert one checkpoint. Static input scales come from `input_amax` (an `--input-amax` file)
+    or from calibrating the target here: on `calibration_ids` when given, else on the built-in
+    prompts where the loader requires the scales (NVFP4 gpt-oss experts)."""
     from ..quant.convert import convert_checkpoint, needs_input_amax
 
     amax = input_amax
-    if amax is None and needs_input_amax(src, recipe):
-        amax = calibrate_target(src, recipe)
+    if amax is None and (calibration_ids is not None or needs_input_amax(src, recipe)):
+        amax = calibrate_target(src, recipe, calibration_ids)
     convert_checkpoint(src, dst, recipe, kv_cache_dtype=kv_cache_dtype, input_amax=amax, progress=show_progress)
 
 
@@ -422,9 +449,10 @@ def build_engine(options: BuildOptions, show_progress: bool = True, log: Callabl
     records = records_dir(output)
     with progress_bar(show_progress) as progress:
         runner = StageRunner(work, records, progress)
-        runner.run(TARGET, [version, options.quant, kv, sources[TARGET], plan.input_amax], TARGET,
-                   lambda dst: copy_checkpoint(plan.pair.target_dir, dst, work, progress) if options.quant == KEEP
-                   else convert(plan.pair.target_dir, dst, options.quant, kv, show_progress, plan.input_amax))
+        runner.run(TARGET, [version, options.quant, kv, sources[TARGET], plan.input_amax, plan.calibration_ids],
+                   TARGET, lambda dst: copy_checkpoint(plan.pair.target_dir, dst, work, progress)
+                   if options.quant == KEEP else convert(plan.pair.target_dir, dst, options.quant, kv, show_progress,
+                                                         plan.input_amax, plan.calibration_ids))
         runner.run(DRAFTER, [version, options.drafter_quant, kv, sources[DRAFTER]], DRAFTER,
                    lambda dst: build_drafter(plan.pair, dst, options.drafter_quant, kv, show_progress))
         if options.trt_drafter:
