@@ -164,3 +164,47 @@ def test_bad_request_gets_an_error_response(model):
     model.execute([request])
     [(response, flags)] = request.sender.sent
     assert flags == 1 and "text_input" in response.error[1]
+
+
+def test_malformed_requests_get_error_responses_and_the_batch_goes_on(model, monkeypatch):
+    prompt = np.array([72, 101, 108], dtype=np.int32)
+    few = np.array([3], dtype=np.int32)
+    bad = [
+        (dict(text_input=np.array([b"\xff\xfe\x80"], dtype=object)), "text_input", "UTF-8 text"),
+        (dict(input_ids=np.array([1.5, 2.0], dtype=np.float32)), "input_ids", "integer token ids"),
+        (dict(input_ids=np.array([[72, 101]], dtype=np.int32)), "input_ids", "1-D"),
+        (dict(input_ids=prompt, sampling_param_temperature=np.array([b"abc"], dtype=object)),
+         "sampling_param_temperature", "a number"),
+        (dict(input_ids=prompt, streaming=np.array([b"false"], dtype=object)), "streaming", "a boolean"),
+        (dict(input_ids=prompt, sampling_param_top_p=np.array([0.5, 0.9], dtype=np.float32)),
+         "sampling_param_top_p", "one value"),
+    ]
+    requests = [FakeRequest(sampling_param_max_tokens=few, **inputs) for inputs, _, _ in bad]
+    requests.append(FakeRequest(input_ids=prompt, sampling_param_max_tokens=few))
+    model.execute(requests)
+    for request, (_, field, message) in zip(requests, bad):
+        [(response, flags)] = request.sender.sent
+        assert flags == 1 and field in response.error[1] and message in response.error[1], response.error
+    [(response, flags)] = requests[-1].sender.sent  # the good request after them is still answered
+    assert flags == 1 and response.error is None and len(response.outputs["output_ids"]) >= 1
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(model.service.runtime, "generate", crash)
+    request = FakeRequest(input_ids=prompt, sampling_param_max_tokens=few)
+    model.execute([request])
+    [(response, flags)] = request.sender.sent
+    assert flags == 1 and response.error == ("error", "internal error: RuntimeError: CUDA out of memory")
+
+
+def test_a_tiny_temperature_samples_the_argmax_instead_of_nan(model):
+    prompt = np.array([72, 101, 108, 108, 111], dtype=np.int32)
+    outputs = {}
+    for temperature in (0.0, 1e-45, 1e-38):
+        request = FakeRequest(input_ids=prompt, sampling_param_max_tokens=np.array([6], dtype=np.int32),
+                              sampling_param_temperature=np.array([temperature], dtype=np.float32))
+        model.execute([request])
+        [(response, _)] = request.sender.sent
+        outputs[temperature] = response.outputs["output_ids"].tolist()
+    assert outputs[1e-45] == outputs[1e-38] == outputs[0.0]

@@ -42,7 +42,10 @@ class SamplingParams:
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [..., V] -> probabilities [..., V] after temperature, top-k, then top-p (HF's order)."""
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    # shifted first, so a tiny temperature gives 0 / T = 0 at the top and -inf below it (a one-hot),
+    # where logits / T would overflow to inf and the softmax to NaN
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]

@@ -15,6 +15,12 @@ from trtllm_dflash.errors import InputError
 from trtllm_dflash.triton.service import INPUT_NAMES, DFlashService
 
 
+def fail(sender, message: str) -> None:
+    """The request's final response, carrying only an error."""
+    sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -41,8 +47,9 @@ class TritonPythonModel:
             try:
                 self.service.handle(inputs, emit)
             except InputError as exc:
-                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))),
-                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                fail(sender, str(exc))
+            except Exception as exc:  # noqa: BLE001 -- one failing request must not leave the others unanswered
+                fail(sender, f"internal error: {type(exc).__name__}: {exc}")
         return None
 
     def finalize(self):

@@ -57,11 +57,21 @@ Emit = Callable[[Outputs, bool], None]  # (output tensors, final)
 
 
 def scalar(inputs: Mapping[str, np.ndarray], name: str, kind: type, default):
+    """The single value of an optional input as `kind` (UTF-8 text for str); anything else is an
+    InputError naming the tensor, so one malformed request never takes the model down."""
     value = inputs.get(name)
     if value is None or value.size == 0:
         return default
+    if value.size != 1:
+        raise InputError(f"expected one value, got {value.size}.", field=name)
     item = value.reshape(-1)[0]
-    return kind(item.decode() if isinstance(item, bytes) else item)
+    try:
+        if isinstance(item, bytes) != (kind is str):
+            raise TypeError
+        return item.decode("utf-8") if kind is str else kind(item)
+    except (UnicodeDecodeError, ValueError, OverflowError, TypeError):
+        expected = {str: "UTF-8 text", int: "an integer", float: "a number", bool: "a boolean"}[kind]
+        raise InputError(f"expected {expected}, got {item!r}.", field=name) from None
 
 
 def acceptance(stats: RequestStats) -> tuple[int, int]:
@@ -97,7 +107,10 @@ class DFlashService:
     def prompt_ids(self, inputs: Mapping[str, np.ndarray]) -> list[int]:
         ids = inputs.get("input_ids")
         if ids is not None and ids.size:
-            return [int(t) for t in ids.reshape(-1)]
+            if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+                raise InputError(f"expected a 1-D array of integer token ids, got {ids.dtype} {ids.shape}.",
+                                 field="input_ids")
+            return [int(t) for t in ids]
         text = scalar(inputs, "text_input", str, None)
         if text is None:
             raise InputError("give 'text_input' or 'input_ids'.", field="text_input")
