@@ -36,9 +36,7 @@ def resolve_bench_pair(engine_dir: Path | None, target_dir: Path | None, drafter
 
 def load_prompts(prompts_file: Path | None, target_dir: Path) -> tuple[list[list[int]], str]:
     """Token ids of the prompt set and where it came from."""
-    from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
-
-    from .run import encode_prompts
+    from trtllm_dflash.prompts import prompt_token_ids, read_prompts_file
 
     if prompts_file is not None:
         prompts, source = read_prompts_file(prompts_file), str(prompts_file)
@@ -46,8 +44,7 @@ def load_prompts(prompts_file: Path | None, target_dir: Path) -> tuple[list[list
         from trtllm_dflash.embedded import heldout_prompts
 
         prompts, source = heldout_prompts(limit=1024), "embedded held-out prompts"
-    tokenizer = load_tokenizer(target_dir) if any(isinstance(p, str) for p in prompts) else None
-    return encode_prompts(prompts, tokenizer, False, target_dir), source
+    return prompt_token_ids(prompts, target_dir), source
 
 
 def machine_description(device) -> str:

@@ -10,29 +10,11 @@ import click
 
 from trtllm_dflash.checkpoints.publish import check_output_path
 from trtllm_dflash.errors import InputError
-from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
+from trtllm_dflash.prompts import encode_prompts, load_tokenizer, read_prompts_file
 
 from .common import clean_errors, resolve_device, resolve_dtype
 
 EXIT_INTERRUPTED = 130  # the shell convention for SIGINT
-
-
-def encode_prompts(prompts: list[str | list[int]], tokenizer, chat: bool, target_dir: Path) -> list[list[int]]:
-    """Token ids per prompt; with --chat, text goes through the target tokenizer's chat template."""
-    if chat and not getattr(tokenizer, "chat_template", None):
-        raise InputError("--chat needs a chat template in the target tokenizer's config, and there is none.",
-                         path=target_dir / "tokenizer_config.json", field="chat_template")
-    encoded = []
-    for prompt in prompts:
-        if not isinstance(prompt, str):
-            encoded.append(prompt)
-        elif chat:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                tokenize=True)
-            encoded.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
-        else:
-            encoded.append(tokenizer.encode(prompt))
-    return encoded
 
 
 def resolve_pair(engine_dir: Path | None, target_dir: Path | None, drafter_dir: Path | None, verify: bool):

@@ -1,4 +1,4 @@
-"""Prompt files and tokenizers, shared by the run, bench and training commands."""
+"""Prompt files, tokenizers and token ids, shared by the run, bench, build and training commands."""
 
 from __future__ import annotations
 
@@ -54,3 +54,30 @@ def load_tokenizer(target_dir: Path):
                          "(or give token ids with a JSONL 'prompt_token_ids' field).", path=target_dir,
                          field="tokenizer.json")
     return AutoTokenizer.from_pretrained(target_dir)
+
+
+def encode_prompts(prompts: list[str | list[int]], tokenizer, chat: bool = False,
+                   target_dir: Path | None = None) -> list[list[int]]:
+    """Token ids per prompt: ids as given, text through `tokenizer`; with `chat` (--chat) through its
+    chat template (`target_dir` names the tokenizer's config when it has none)."""
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise InputError("--chat needs a chat template in the target tokenizer's config, and there is none.",
+                         path=target_dir / "tokenizer_config.json", field="chat_template")
+    encoded = []
+    for prompt in prompts:
+        if not isinstance(prompt, str):
+            encoded.append(prompt)
+        elif chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                tokenize=True)
+            encoded.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+        else:
+            encoded.append(tokenizer.encode(prompt))
+    return encoded
+
+
+def prompt_token_ids(prompts: list[str | list[int]], target_dir: Path) -> list[list[int]]:
+    """Token ids per prompt without a chat template: ids as given, text through the target's
+    tokenizer, which is only loaded when some prompt is text."""
+    tokenizer = load_tokenizer(target_dir) if any(isinstance(p, str) for p in prompts) else None
+    return encode_prompts(prompts, tokenizer)

@@ -30,6 +30,13 @@ def tensor_shape(directory: Path, name: str) -> tuple[Path, tuple[int, ...]] | N
     return None
 
 
+def check_target_layer_ids(ids: list[int], num_layers: int, field: str, path: Path | None = None) -> None:
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise InputError(f"ids {bad} are outside the target's decoder layers [0, {num_layers}) (0-based; the "
+                         "output of layer i is used).", path=path, field=field)
+
+
 def validate_pair(target_dir: str | Path, drafter_dir: str | Path, block_size: int | None = None) -> Pair:
     target_dir, drafter_dir = Path(target_dir), Path(drafter_dir)
     target = read_target_config(target_dir)
@@ -48,10 +55,7 @@ def validate_pair(target_dir: str | Path, drafter_dir: str | Path, block_size: i
     if drafter.num_target_layers != layers:
         raise InputError(f"the drafter was made for a {drafter.num_target_layers}-layer target, but "
                          f"{target_cfg_path} has {layers} layers.", path=drafter_cfg_path, field="num_target_layers")
-    bad = [i for i in drafter.target_layer_ids if not 0 <= i < layers]
-    if bad:
-        raise InputError(f"ids {bad} are outside the target's decoder layers [0, {layers}) (0-based; the output "
-                         "of layer i is used).", path=drafter_cfg_path, field="dflash_config.target_layer_ids")
+    check_target_layer_ids(drafter.target_layer_ids, layers, "dflash_config.target_layer_ids", drafter_cfg_path)
     vocab = target["vocab_size"]
     if not 0 <= drafter.mask_token_id < vocab:
         raise InputError(f"mask token id {drafter.mask_token_id} is outside the target vocabulary [0, {vocab}).",

@@ -168,16 +168,14 @@ def check_apart_from_sources(options: BuildOptions, pair: Pair) -> None:
 def read_calibration_prompts(options: BuildOptions, pair: Pair) -> list[list[int]]:
     """The calibration prompts as token ids, checked: only where a calibration is used, not next to
     precomputed amax, each prompt non-empty and inside the target's vocabulary."""
-    from ..prompts import load_tokenizer, read_prompts_file
+    from ..prompts import prompt_token_ids, read_prompts_file
     from ..runtime.interface import check_request
 
     field, path = "--calibration-prompts", options.calibration_prompts_file
     if options.quant not in ("fp8", "nvfp4"):
         raise InputError(f"calibration sets the static input scales of --quant fp8 or nvfp4, not {options.quant}.",
                          path=path, field=field)
-    prompts = read_prompts_file(path)
-    tokenizer = load_tokenizer(pair.target_dir) if any(isinstance(p, str) for p in prompts) else None
-    ids = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    ids = prompt_token_ids(read_prompts_file(path), pair.target_dir)
     check_request(ids, 1, pair.target_config["vocab_size"], 0, pair.target_config.get("max_position_embeddings"))
     return ids
 

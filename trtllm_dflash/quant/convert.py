@@ -84,7 +84,7 @@ from trtllm_dflash.quant.codecs import (
     require_finite,
     scale_from_amax,
 )
-from trtllm_dflash.quant.recipes import EXPERTS, KV_CACHE_ALGOS, Format, get_recipe, is_gpt_oss, quant_configs
+from trtllm_dflash.quant.recipes import EXPERTS, KV_CACHE_ALGOS, Format, Recipe, get_recipe, is_gpt_oss, quant_configs
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 PIECE_BYTES = 64 * 2**20  # passthrough copy granularity
@@ -432,13 +432,18 @@ def required_input_amax(formats: Mapping[str, Format]) -> list[str]:
     return sorted(n for n, f in formats.items() if f is Format.NVFP4 and is_expert(n))
 
 
+def source_plan(recipe: str, config: dict, names: list[str]) -> Recipe:
+    """The recipe as applied to this source: its gpt-oss variant for a gpt-oss checkpoint (experts
+    and attention follow TensorRT-LLM's gpt-oss loader)."""
+    return get_recipe(recipe, "gpt_oss" if is_gpt_oss(config, names) else None)
+
+
 def planned_formats(src: str | Path, recipe: str) -> dict[str, Format]:
     """The format :func:`convert_checkpoint` gives each logical parameter of ``src`` under ``recipe``,
     from config.json and the safetensors headers only (which also checks the shard index)."""
     src = Path(src)
-    config = read_json(src / "config.json")
     names = [p.name for p in source_params(ShardedReader(src))]
-    plan = get_recipe(recipe, "gpt_oss" if is_gpt_oss(config, names) else None)
+    plan = source_plan(recipe, read_json(src / "config.json"), names)
     return {n: plan.format_for(n) for n in names}
 
 
@@ -538,7 +543,7 @@ def convert_checkpoint(
     """
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
-    plan = get_recipe(recipe)
+    get_recipe(recipe)  # an unknown recipe fails before any file is read
     if kv_cache_dtype not in KV_CACHE_ALGOS:
         raise InputError(f"expected one of {sorted(KV_CACHE_ALGOS)}", field="kv_cache_dtype")
     if dst.exists() and not overwrite:
@@ -547,8 +552,7 @@ def convert_checkpoint(
     check_source(src, config)
     reader = ShardedReader(src)
     params = source_params(reader)
-    if is_gpt_oss(config, [p.name for p in params]):
-        plan = get_recipe(recipe, "gpt_oss")  # experts and attention follow TensorRT-LLM's gpt-oss loader
+    plan = source_plan(recipe, config, [p.name for p in params])
     formats = {p.name: plan.format_for(p.name) for p in params}
     quantized = {n: f for n, f in formats.items() if f is not Format.BF16}
     amax = dict(input_amax or {})

@@ -98,9 +98,9 @@ def snippets_from_corpus(tokenizer, count: int, length: int, seed: int, stride: 
 
 
 def prompts_from_file(path: Path, tokenizer, length: int) -> list[list[int]]:
-    from ..prompts import read_prompts_file
+    from ..prompts import encode_prompts, read_prompts_file
 
-    return [(tokenizer.encode(p) if isinstance(p, str) else p)[-length:] for p in read_prompts_file(path)]
+    return [ids[-length:] for ids in encode_prompts(read_prompts_file(path), tokenizer)]
 
 
 def regenerate(target: GptOssTarget, prompts: list[list[int]], response_tokens: int, batch: int = 32,
@@ -344,6 +344,7 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
 
     from ..checkpoints.gpt_oss import load_hf_gpt_oss
     from ..checkpoints.publish import check_output_path
+    from ..checkpoints.validate import check_target_layer_ids
     from ..prompts import load_tokenizer
 
     # every check before --out is made: a failed start leaves nothing behind
@@ -355,10 +356,7 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
         if mask_token_id is None or mask_token_id == tokenizer.unk_token_id:
             raise InputError("the tokenizer has no '<|mask|>' token; pass --mask-token-id.", path=target_dir,
                              field="mask_token_id")
-    bad = [i for i in cfg.target_layer_ids or [] if not 0 <= i < target.num_layers]
-    if bad:
-        raise InputError(f"ids {bad} are outside the target's decoder layers [0, {target.num_layers}) (0-based).",
-                         field="--target-layer-ids")
+    check_target_layer_ids(cfg.target_layer_ids or [], target.num_layers, "--target-layer-ids")
     checkpoint_path, data_path = out / "checkpoint.pt", out / "responses.pt"
     state = torch.load(checkpoint_path, weights_only=False) if checkpoint_path.is_file() else None
     if state is not None:
