@@ -110,15 +110,11 @@ def schedule_from_bench(path: str | Path) -> dict[int, int]:
         raise InputError("no schedule in this file; is it a dflash-bench JSON?", path=path,
                          field="schedule.draft_len_schedule")
     raw, most = section["draft_len_schedule"], section.get("max_draft_len")
-    if not all(key.strip().isdigit() and is_int(value) for key, value in raw.items()):
+    if not all(key.strip().isdigit() and type(value) is int for key, value in raw.items()):
         raise InputError(f"expected integer batch sizes mapped to integer draft lengths, got {raw}.", path=path,
                          field="schedule.draft_len_schedule")
     schedule = dict(sorted((int(key), value) for key, value in raw.items()))
-    if schedule and not is_int(most):
+    if schedule and type(most) is not int:
         raise InputError(f"expected an integer, got {most!r}.", path=path, field="schedule.max_draft_len")
     check_schedule(schedule, most if schedule else None, path)
     return schedule
-
-
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -7,7 +7,6 @@ verifies against exactly the distribution plain sampling would use.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 import torch
