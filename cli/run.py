@@ -101,6 +101,38 @@ def json_record(prompt, result, tokenizer, baseline=None) -> dict:
     return record
 
 
+def check_engine_seq_len(engine, prompt_ids: list[list[int]], max_tokens: int) -> None:
+    """TensorRT-LLM serves at most the engine's max_seq_len tokens per request (prompt + output);
+    the reference runtime keeps to it too, so a run means the same on both."""
+    limit = engine.llm_api_options().max_seq_len
+    longest = max(len(ids) for ids in prompt_ids)
+    if longest + max_tokens > limit:
+        raise InputError(f"the longest prompt ({longest} tokens) plus --max-tokens {max_tokens} exceeds the engine's "
+                         f"max_seq_len {limit} ({engine.options_path}); lower --max-tokens or rebuild with a larger "
+                         "--max-seq-len.", field="--max-tokens")
+
+
+def engine_backend(engine, requested: str, reason: str) -> tuple[str, str]:
+    """TensorRT-LLM unless the engine is reference-only (auto falls back; --backend trtllm is refused)."""
+    from trtllm_dflash.engine.trtllm_versions import engine_requirements
+
+    why = engine_requirements(engine.manifest).get("reference_only")
+    if not why:
+        return "trtllm", reason
+    if requested == "trtllm":
+        raise InputError(f"this engine runs on the reference runtime only: {why}", path=engine.root / "manifest.json",
+                         field="--backend")
+    return "reference", "the engine is reference-only (quantized drafter)"
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a result file; a failure (full disk, /dev/full) names the file."""
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+
+
 def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, drafter_dir: Path, draft_method: str,
                   block_size: int | None, schedule: dict[int, int] | None, device: str, dtype: str,
                   with_baseline: bool):
@@ -190,12 +222,12 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
         engine_block, schedule = engine_speculation(engine)
         block_size = block_size or engine_block
     prompts: list[str | list[int]] = list(prompt_texts) + (read_prompts_file(prompts_file) if prompts_file else [])
-    if not prompts:
-        if engine_dir or given_target:
-            raise InputError("no prompts given; use --prompt TEXT or --prompts-file FILE.", field="--prompt")
+    if not prompts:  # any pair runs on the held-out prompts, as the embedded default does (it never trained on them)
         from trtllm_dflash.embedded import heldout_prompts
 
-        prompts = heldout_prompts()  # the embedded default runs on prompts it never trained on
+        prompts = heldout_prompts()
+        if engine_dir or given_target:
+            click.echo(f"no --prompt or --prompts-file: running the {len(prompts)} embedded held-out prompts", err=True)
     needs_text = chat or any(isinstance(p, str) for p in prompts)
     tokenizer = load_tokenizer(target_dir) if needs_text or (target_dir / "tokenizer.json").is_file() else None
     prompt_ids = encode_prompts(prompts, tokenizer, chat, target_dir)
@@ -203,8 +235,12 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
                             stop_token_ids=tuple(stop_token_ids(target_dir, pair.target_config)))
     check_request(prompt_ids, batch_size, pair.target_config["vocab_size"], max_tokens,
                   pair.target_config.get("max_position_embeddings"))  # before any model is loaded
+    if engine is not None:
+        check_engine_seq_len(engine, prompt_ids, max_tokens)
 
     chosen, reason = choose_backend(backend)
+    if chosen == "trtllm" and engine is not None:
+        chosen, reason = engine_backend(engine, backend, reason)
     click.echo(f"backend: {chosen} ({reason})", err=True)
     runtimes = build_runtime(chosen, engine.root if engine else None, target_dir, drafter_dir, draft_method,
                              block_size, schedule, device, dtype, baseline)
@@ -242,9 +278,9 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
         for record in records:
             click.echo(json.dumps(record))
     if output:
-        output.write_text("".join(json.dumps(record) + "\n" for record in records))
+        write_text(output, "".join(json.dumps(record) + "\n" for record in records))
     if stats_file:
-        stats_file.write_text("".join(
+        write_text(stats_file, "".join(
             json.dumps({"request": i, "step": step, "accepted": a}) + "\n"
             for i, result in enumerate(results) for step, a in enumerate(result.stats.accepted_per_step)))
     if not as_json and results:

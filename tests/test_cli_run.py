@@ -196,7 +196,7 @@ def test_run_engine_directory_and_verify(tiny_pair, tmp_path):
     target, drafter = tiny_pair
     engine = tmp_path / "engine"
     built = CliRunner().invoke(build_main, ["--target", str(target), "--drafter", str(drafter), "-o", str(engine),
-                                            "--max-draft-len", "2", "--quiet"])
+                                            "--profile", "cpu-reference", "--max-draft-len", "2", "--quiet"])
     assert built.exit_code == 0, built.output
     result = invoke(engine, "--prompt", "abc", "--max-tokens", 8, "--json", "--baseline", "--verify")
     assert result.exit_code == 0, result.output
@@ -224,10 +224,11 @@ def test_schedule_from_bench_reaches_the_engine_and_the_run(tiny_pair, tmp_path)
 
     target, drafter = tiny_pair
     bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"schedule": {"max_draft_len": 3, "draft_len_schedule": {"1": 3, "2": 1}}}))
+    bench.write_text(json.dumps({"machine": "2-core x86_64 CPU", "device": "cpu",
+                                 "schedule": {"max_draft_len": 3, "draft_len_schedule": {"1": 3, "2": 1}}}))
     engine = tmp_path / "engine"
     built = CliRunner().invoke(build_main, ["--target", str(target), "--drafter", str(drafter), "-o", str(engine),
-                                            "--schedule-from", str(bench), "--quiet"])
+                                            "--profile", "cpu-reference", "--schedule-from", str(bench), "--quiet"])
     assert built.exit_code == 0, built.output
     spec = yaml.safe_load((engine / "llm_api_options.yaml").read_text())["speculative_config"]
     assert spec["draft_len_schedule"] == {1: 3, 2: 1} and spec["max_draft_len"] == 3
