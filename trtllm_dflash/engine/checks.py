@@ -112,8 +112,8 @@ def check_schedule_device(measured_on: dict[str, str] | None, profile: Profile, 
         return
     expected = f"a {profile.gpu} GPU" if profile.targets_trtllm else "a CPU"
     if not measured_on:
-        raise InputError(f"does not say where it was measured (fields 'machine' and 'device', written by dflash-bench); "
-                         f"the profile {profile.name} needs a schedule measured on {expected}. Pass "
+        raise InputError("does not say where it was measured (fields 'machine' and 'device', written by "
+                         f"dflash-bench); the profile {profile.name} needs a schedule measured on {expected}. Pass "
                          "--allow-foreign-schedule to use it anyway.", path=path, field="--schedule-from")
     machine, device = measured_on.get("machine", "?"), measured_on.get("device", "?")
     if not profile.runs_on(machine, device):

@@ -48,8 +48,8 @@ from .stats import GenerationResult, RequestStats
 OPTIONS_FILE = "llm_api_options.yaml"
 TARGET_DIR = "target"
 
-INSTALL_HINT = (f"Install TensorRT-LLM >= {FIRST_DOCUMENTED_WITH_DFLASH} on a Linux host with an NVIDIA GPU (Hopper or Blackwell) "
-                "from NVIDIA's package index (`pip install tensorrt-llm --extra-index-url https://pypi.nvidia.com`) "
+INSTALL_HINT = (f"Install TensorRT-LLM >= {FIRST_DOCUMENTED_WITH_DFLASH} on a Linux host with an NVIDIA GPU "
+                "(Hopper or Blackwell) from NVIDIA's package index (`pip install tensorrt-llm --extra-index-url https://pypi.nvidia.com`) "
                 "or use the NGC container nvcr.io/nvidia/tensorrt-llm/release; the PyPI packages are "
                 "download stubs. See docs/trtllm.md.")
 

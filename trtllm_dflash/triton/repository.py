@@ -47,8 +47,9 @@ def render_config(engine_ref: str, backend: str = "auto") -> str:
 def render_model_yaml(options: LlmApiOptions, engine_root: Path) -> str:
     """Absolute paths under engine_root: Triton's llmapi model.py hands them to LLM() as they are."""
     data = options.to_dict()
-    if "speculative_config" in data:
-        data["speculative_config"]["speculative_model"] = str(engine_root / data["speculative_config"]["speculative_model"])
+    spec = data.get("speculative_config")
+    if spec is not None:
+        spec["speculative_model"] = str(engine_root / spec["speculative_model"])
     document = {"model": str(engine_root / "target"), **data, "triton_config": {"max_batch_size": 0, "decoupled": True}}
     return yaml.safe_dump(document, sort_keys=False)
 
