@@ -112,19 +112,6 @@ def check_engine_seq_len(engine, prompt_ids: list[list[int]], max_tokens: int) -
                          "--max-seq-len.", field="--max-tokens")
 
 
-def engine_backend(engine, requested: str, reason: str) -> tuple[str, str]:
-    """TensorRT-LLM unless the engine is reference-only (auto falls back; --backend trtllm is refused)."""
-    from trtllm_dflash.engine.trtllm_versions import engine_requirements
-
-    why = engine_requirements(engine.manifest).get("reference_only")
-    if not why:
-        return "trtllm", reason
-    if requested == "trtllm":
-        raise InputError(f"this engine runs on the reference runtime only: {why}", path=engine.root / "manifest.json",
-                         field="--backend")
-    return "reference", "the engine is reference-only (quantized drafter)"
-
-
 def write_text(path: Path, text: str) -> None:
     """Write a result file; a failure (full disk, /dev/full) names the file."""
     try:
@@ -238,9 +225,12 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     if engine is not None:
         check_engine_seq_len(engine, prompt_ids, max_tokens)
 
-    chosen, reason = choose_backend(backend)
-    if chosen == "trtllm" and engine is not None:
-        chosen, reason = engine_backend(engine, backend, reason)
+    if engine is not None:
+        from trtllm_dflash.engine.load import engine_backend
+
+        chosen, reason = engine_backend(engine, backend)
+    else:
+        chosen, reason = choose_backend(backend)
     click.echo(f"backend: {chosen} ({reason})", err=True)
     runtimes = build_runtime(chosen, engine.root if engine else None, target_dir, drafter_dir, draft_method,
                              block_size, schedule, device, dtype, baseline)

@@ -10,6 +10,7 @@ import sys
 import types
 
 import pytest
+import torch
 from click.testing import CliRunner
 from test_runtime_trtllm import install_fake_tensorrt_llm, make_engine
 
@@ -61,14 +62,16 @@ def test_quantized_drafter_engine_is_labelled_reference_only(reference_only_engi
 
 
 def test_dflash_run_refuses_trtllm_and_auto_falls_back(reference_only_engine, monkeypatch):
-    import trtllm_dflash.runtime.interface as interface
+    import trtllm_dflash.engine.load as load
 
     refused = CliRunner().invoke(run_main, [str(reference_only_engine.root), "--backend", "trtllm", "--prompt", "x"])
     assert refused.exit_code == 2 and "reference runtime only" in refused.output and "quantized" in refused.output
-    monkeypatch.setattr(interface, "choose_backend", lambda requested: ("trtllm", "pretend a GPU host"))
+    monkeypatch.setattr(load, "choose_backend", lambda requested: ("trtllm", "pretend a GPU host"))
     ran = CliRunner().invoke(run_main, [str(reference_only_engine.root), "--prompt", "x", "--max-tokens", 4, "--json"])
     assert ran.exit_code == 0, ran.output
     assert "backend: reference (the engine is reference-only" in ran.stderr
+    runtime, reason = load.engine_runtime(reference_only_engine, "auto", torch.device("cpu"), torch.float32)
+    assert runtime.backend == "reference" and "reference-only" in reason  # what the Triton model uses
 
 
 def test_build_records_and_prints_the_minimum_version(tiny_pair, tmp_path):
