@@ -36,9 +36,11 @@ def choose_profile(profile: str | None, target_dir: Path | None) -> tuple[str, s
     from trtllm_dflash.engine.build import DEFAULT_PROFILE
     from trtllm_dflash.engine.profiles import available_profiles, profile_for_gpu
 
+    from trtllm_dflash import embedded
+
     if profile is not None:
         return profile, None
-    if target_dir is None:
+    if target_dir is None or target_dir.resolve() == embedded.TARGET_DIR.resolve():
         return DEFAULT_PROFILE, None
     gpu = detected_gpu()
     chosen = profile_for_gpu(gpu) if gpu else None

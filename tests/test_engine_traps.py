@@ -59,10 +59,13 @@ def test_profile_is_chosen_from_the_detected_gpu_and_said(tiny_pair, tmp_path, m
 
 
 def test_the_embedded_pair_defaults_to_cpu_reference(tmp_path, monkeypatch):
+    from trtllm_dflash import embedded
+
     monkeypatch.setattr(build_cli, "detected_gpu", lambda: "NVIDIA B200")  # ignored for the embedded pair
-    result = build("-o", tmp_path / "e", "--check")
-    assert result.exit_code == 0, result.output
-    assert "profile cpu-reference" in result.output and "chosen for" not in result.output
+    for pair in ([], ["--target", embedded.TARGET_DIR, "--drafter", embedded.DRAFTER_DIR]):
+        result = build("-o", tmp_path / "e", "--check", *pair)
+        assert result.exit_code == 0, result.output
+        assert "profile cpu-reference" in result.output and "chosen for" not in result.output
 
 
 # ----------------------------------------------------------------------------- schedules and devices

@@ -87,7 +87,7 @@ QUANTIZED_DRAFTER_REASON = (
     "`fc` as a plain nn.Linear in fc.weight's dtype and copies the raw weight (fc.weight_scale is never read, "
     "and the worker takes its context-buffer dtype from it), and the fused context K/V path slices "
     "self_attn.qkv_proj.weight and applies it with F.linear, without scales "
-    f"({MODELING_DFLASH}). Keeping fc and attention bf16 and quantizing only the MLP would further need "
+    f"(NVIDIA/TensorRT-LLM {MODELING_DFLASH}). Keeping fc and attention bf16 and quantizing only the MLP would further need "
     "calibrated static input scales for the drafter and per-module entries under TensorRT-LLM's fused "
     "names (model.layers.N.mlp.gate_up_proj), neither verified here.")
 QUANT_KEEPS_DRAFTER_LOADABLE = ("keep", "none")
