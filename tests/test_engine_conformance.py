@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Literal, get_args, get_origin
 
 import pytest
 import yaml
 from trtllm_llm_args_facts import FIELDS
 
 from trtllm_dflash.checkpoints.validate import validate_pair
+from trtllm_dflash.engine import options
 from trtllm_dflash.engine import trtllm_versions as tv
 from trtllm_dflash.engine.build import BuildOptions, render_options
 from trtllm_dflash.engine.profiles import available_profiles, load_profile, profile_path
@@ -141,3 +143,27 @@ def test_the_checker_finds_what_trtllm_would_refuse():
     assert cross_field_violations({"cuda_graph_config": {"batch_sizes": [1, 8], "max_batch_size": 4}}, 4)
     assert cross_field_violations({"speculative_config": {"max_draft_len": 4}}, 4)
     assert cross_field_violations({"speculative_config": {"max_draft_len": 3, "draft_len_schedule": {4: 2}}}, 4)
+
+
+def literal_values(annotation) -> set:
+    """Every Literal value inside an annotation (Optional[Literal[...]], Literal aliases)."""
+    if get_origin(annotation) is Literal:
+        return set(get_args(annotation))
+    return set().union(*(literal_values(arg) for arg in get_args(annotation))) if get_args(annotation) else set()
+
+
+OUR_MODELS = {options.LlmApiOptions: "TorchLlmArgs", options.KvCacheConfig: "KvCacheConfig",
+              options.CudaGraphConfig: "CudaGraphConfig", options.MoeConfig: "MoeConfig",
+              options.AttentionDpConfig: "AttentionDpConfig", options.DFlashDecodingConfig: "DFlashDecodingConfig"}
+
+
+@pytest.mark.parametrize("model", list(OUR_MODELS), ids=lambda m: m.__name__)
+def test_every_field_our_options_model_can_write_is_a_trtllm_field(model):
+    """A user profile may set any field of engine/options.py, not only those the shipped profiles use."""
+    facts = FIELDS[OUR_MODELS[model]]
+    for name, info in model.model_fields.items():
+        assert name in facts, f"{model.__name__}.{name} has no fact in TensorRT-LLM's {OUR_MODELS[model]}"
+        kind, constraint = facts[name]
+        values = literal_values(info.annotation)
+        if values:
+            assert kind == "enum" and values <= set(constraint), (model.__name__, name, values - set(constraint or ()))
