@@ -87,8 +87,8 @@ QUANTIZED_DRAFTER_REASON = (
     "`fc` as a plain nn.Linear in fc.weight's dtype and copies the raw weight (fc.weight_scale is never read, "
     "and the worker takes its context-buffer dtype from it), and the fused context K/V path slices "
     "self_attn.qkv_proj.weight and applies it with F.linear, without scales "
-    f"(NVIDIA/TensorRT-LLM {MODELING_DFLASH}). Keeping fc and attention bf16 and quantizing only the MLP would further need "
-    "calibrated static input scales for the drafter and per-module entries under TensorRT-LLM's fused "
+    f"(NVIDIA/TensorRT-LLM {MODELING_DFLASH}). Keeping fc and attention bf16 and quantizing only the MLP "
+    "would further need calibrated static input scales for the drafter and per-module entries under TensorRT-LLM's fused "
     "names (model.layers.N.mlp.gate_up_proj), neither verified here.")
 QUANT_KEEPS_DRAFTER_LOADABLE = ("keep", "none")
 
@@ -147,8 +147,14 @@ def requirements(options: Any, target_quant: str, drafter_quant: str) -> dict[st
     least, most = version_range(features)
     return {"min_version": least, "max_version": most, "features": features,
             "unpinned": [f for f in features if SUPPORT[f].since is None],
-            "reference_only": None if drafter_quant in QUANT_KEEPS_DRAFTER_LOADABLE else
-            f"the drafter is quantized (--drafter-quant {drafter_quant}). {QUANTIZED_DRAFTER_REASON}"}
+            "reference_only": reference_only_reason(drafter_quant)}
+
+
+def reference_only_reason(drafter_quant: str) -> str | None:
+    """Why TensorRT-LLM cannot load an engine with this `--drafter-quant` (None: it can)."""
+    if drafter_quant in QUANT_KEEPS_DRAFTER_LOADABLE:
+        return None
+    return f"the drafter is quantized (--drafter-quant {drafter_quant}). {QUANTIZED_DRAFTER_REASON}"
 
 
 def engine_requirements(manifest: Mapping[str, Any]) -> dict[str, Any]:
@@ -159,8 +165,7 @@ def engine_requirements(manifest: Mapping[str, Any]) -> dict[str, Any]:
         return dict(section)
     drafter_quant = (manifest.get("options") or {}).get("drafter_quant", "keep")
     return {"min_version": FIRST_DOCUMENTED_WITH_DFLASH, "max_version": None, "features": ["dflash"], "unpinned": [],
-            "reference_only": None if drafter_quant in QUANT_KEEPS_DRAFTER_LOADABLE else
-            f"the drafter is quantized (--drafter-quant {drafter_quant}). {QUANTIZED_DRAFTER_REASON}"}
+            "reference_only": reference_only_reason(drafter_quant)}
 
 
 def describe(section: Mapping[str, Any]) -> str:
@@ -171,7 +176,7 @@ def describe(section: Mapping[str, Any]) -> str:
     if section.get("max_version"):
         text += f", <= {section['max_version']}"
     unpinned = section.get("unpinned") or []
-    note = f"; {', '.join(unpinned)} not pinned to a release: newest checked, probed at load" if unpinned else ""
+    note = f"; {', '.join(unpinned)}: first release not pinned, so the newest checked" if unpinned else ""
     return f"TensorRT-LLM {text} (needs {', '.join(section['features'])}{note})"
 
 
