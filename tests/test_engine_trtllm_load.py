@@ -147,3 +147,15 @@ def test_every_feature_row_cites_its_source_and_sorts():
                 tv.parse_version(version)
     assert tv.version_range(["dflash", "draft_len_schedule"]) == (tv.FIRST_DOCUMENTED_WITH_DFLASH, None)
     assert tv.version_range(["dflash", "rejection_sampling"]) == (tv.NEWEST_CHECKED, None)
+
+
+def test_options_and_runtime_state_the_same_checked_versions():
+    """Both take their versions from engine/trtllm_versions.py (they used to disagree: <1.5 vs 1.4.0rc1)."""
+    from trtllm_dflash.engine.options import LlmApiOptions
+
+    with pytest.raises(InputError) as info:
+        LlmApiOptions.from_dict({"max_seq_len": 8, "speculative_config": {
+            "max_draft_len": 3, "speculative_model": "d", "acceptance_window": 1}})
+    assert tv.CHECKED_RANGE in str(info.value)
+    newer, = rt.check_version("9.0.0")
+    assert f"newer than {tv.NEWEST_CHECKED}" in newer and tv.CHECKED_RANGE.endswith(tv.NEWEST_CHECKED)
