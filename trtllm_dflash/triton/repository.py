@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from ..engine.options import LlmApiOptions
-from .service import INPUTS, OUTPUTS, TensorSpec
+from .llmapi import INPUTS, OUTPUTS, TensorSpec
 
 MODEL_NAME = "dflash"
 MODEL_SOURCE = Path(__file__).with_name("model.py")
@@ -30,14 +30,15 @@ def tensor_block(spec: TensorSpec, optional: bool) -> str:
     return f'  {{\n    name: "{spec.name}"\n    data_type: {spec.data_type}\n    dims: [ {dims} ]{extra}\n  }}'
 
 
-def render_config(engine_ref: str, backend: str = "auto") -> str:
-    """config.pbtxt: max_batch_size 0 (the runtime batches), decoupled so a request can stream."""
+def render_config(engine_ref: str, backend: str = "auto", model_name: str = MODEL_NAME, device: str = "auto") -> str:
+    """config.pbtxt: max_batch_size 0 (the model batches concurrent requests itself), decoupled so a
+    request can stream."""
     inputs = ",\n".join(tensor_block(t, optional=True) for t in INPUTS)
     outputs = ",\n".join(tensor_block(t, optional=False) for t in OUTPUTS)
-    parameters = {"engine_dir": engine_ref, "backend": backend, "verify_checksums": "false"}
+    parameters = {"engine_dir": engine_ref, "backend": backend, "device": device, "verify_checksums": "false"}
     params = "\n".join(f'parameters {{\n  key: "{k}"\n  value: {{ string_value: "{v}" }}\n}}'
                        for k, v in parameters.items())
-    return (f'name: "{MODEL_NAME}"\nbackend: "python"\nmax_batch_size: 0\n'
+    return (f'name: "{model_name}"\nbackend: "python"\nmax_batch_size: 0\n'
             f"model_transaction_policy {{\n  decoupled: true\n}}\n"
             f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n"
             f"instance_group [\n  {{\n    count: 1\n    kind: KIND_MODEL\n  }}\n]\n{params}\n")
@@ -57,10 +58,10 @@ def render_model_yaml(options: LlmApiOptions, engine_root: Path | None) -> str:
 
 
 def write_model_repository(repo: Path, engine_ref: str, options: LlmApiOptions, engine_root: Path | None,
-                           backend: str = "auto") -> Path:
-    version = repo / MODEL_NAME / "1"
+                           backend: str = "auto", model_name: str = MODEL_NAME, device: str = "auto") -> Path:
+    version = repo / model_name / "1"
     version.mkdir(parents=True)
-    (repo / MODEL_NAME / "config.pbtxt").write_text(render_config(engine_ref, backend))
+    (repo / model_name / "config.pbtxt").write_text(render_config(engine_ref, backend, model_name, device))
     shutil.copyfile(MODEL_SOURCE, version / "model.py")
     (version / "model.yaml").write_text(render_model_yaml(options, engine_root))
     return repo
