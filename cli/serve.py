@@ -63,6 +63,8 @@ def stub_pids(server_pid: int) -> set[int]:
 @click.option("--model-name", default="dflash", show_default=True)
 @click.option("--backend", type=click.Choice(["auto", "trtllm", "reference"]), default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (reference backend).")
+@click.option("--autoregressive", is_flag=True,
+              help="Serve the target alone: the baseline DFlash is measured against (reference backend).")
 @click.option("--tritonserver", "server_choice", default="auto", show_default=True,
               help="auto (system tritonserver, else the nvidia-pytriton one), bundled, or a binary's path.")
 @click.option("--log", "log_level", type=click.Choice(["error", "warning", "info", "verbose"]), default="info",
@@ -70,16 +72,19 @@ def stub_pids(server_pid: int) -> set[int]:
 @click.option("--startup-timeout", default=300.0, show_default=True, help="Seconds to wait for the model.")
 @click.option("--verify", is_flag=True, help="Check every file of ENGINE_DIR against its sha256 first.")
 @clean_errors
-def main(engine_dir, host, http_port, grpc_port, model_name, backend, device, server_choice, log_level,
-         startup_timeout, verify):
+def main(engine_dir, host, http_port, grpc_port, model_name, backend, device, autoregressive, server_choice,
+         log_level, startup_timeout, verify):
     """Serve ENGINE_DIR (default: the embedded engine) with Triton Inference Server until Ctrl-C."""
     from trtllm_dflash.runtime.interface import choose_backend
     from trtllm_dflash.triton import server as triton
-    from trtllm_dflash.triton.repository import write_model_repository
+    from trtllm_dflash.triton.repository import ModelParameters, write_model_repository
 
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", model_name):
         raise InputError(f"expected letters, digits, '_', '.' or '-', got {model_name!r}.", field="--model-name")
     chosen, reason = choose_backend(backend)
+    if autoregressive and chosen != "reference":
+        raise InputError("the autoregressive baseline runs on the reference backend; add --backend reference.",
+                         field="--autoregressive")
     if chosen == "reference":
         resolve_device(device)
     install = triton.find_server(server_choice)
@@ -93,7 +98,7 @@ def main(engine_dir, host, http_port, grpc_port, model_name, backend, device, se
     process, code = None, 0
     try:
         write_model_repository(options.repository, str(engine.root), engine.llm_api_options(), engine.root,
-                               backend, model_name, device)
+                               model_name, ModelParameters(backend, device, "off" if autoregressive else "dflash"))
         backends = triton.assemble_backends(install, work / "backends")
         click.echo(f"dflash-serve: {engine.root} on {install.binary} (backend {chosen}: {reason})", err=True)
         process = triton.TritonProcess(triton.server_command(install, backends, options),

@@ -179,14 +179,22 @@ class DFlashService:
 
     @classmethod
     def from_engine(cls, engine_dir: str | Path, backend: str = "auto", verify_checksums: bool = False,
-                    device: str = "auto") -> "DFlashService":
+                    device: str = "auto", speculation: str = "dflash") -> "DFlashService":
+        """speculation "off" serves the target alone (the autoregressive baseline, reference runtime)."""
         from ..cli.common import resolve_device, resolve_dtype
-        from ..engine.load import engine_runtime, engine_speculation
+        from ..engine.load import engine_runtime, engine_speculation, reference_runtime
         from ..engine.manifest import open_engine
+        from ..runtime.interface import choose_backend
 
         engine = open_engine(engine_dir, verify_checksums)
         torch_device = resolve_device(device)
-        runtime, _ = engine_runtime(engine, backend, torch_device, resolve_dtype("auto", torch_device))
+        dtype = resolve_dtype("auto", torch_device)
+        if speculation == "off":
+            if choose_backend(backend)[0] != "reference":
+                raise InputError("the autoregressive baseline runs on the reference backend.", field="backend")
+            runtime = reference_runtime(engine, torch_device, dtype, with_drafter=False)
+        else:
+            runtime, _ = engine_runtime(engine, backend, torch_device, dtype)
         tokenizer = None
         if (engine.target_dir / "tokenizer.json").is_file():
             from transformers import AutoTokenizer
@@ -196,7 +204,8 @@ class DFlashService:
         options = engine.llm_api_options()
         positions = min(config.get("max_position_embeddings") or options.max_seq_len, options.max_seq_len)
         block, _ = engine_speculation(engine)
-        return cls(runtime, tokenizer, tuple(stop_token_ids(engine.target_dir, config)), block or 1,
+        return cls(runtime, tokenizer, tuple(stop_token_ids(engine.target_dir, config)),
+                   (block or 1) if speculation != "off" else 1,
                    config["vocab_size"], positions, options.max_batch_size or 8)
 
     def prompt_ids(self, spec: RequestSpec) -> list[int]:
