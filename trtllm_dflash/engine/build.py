@@ -68,6 +68,9 @@ class BuildOptions:
     schedule_file: Path | None = None  # where draft_len_schedule came from (named in errors)
     # text or JSONL prompts to calibrate the target on instead of CALIBRATION_PROMPTS (fp8 / nvfp4)
     calibration_prompts_file: Path | None = None
+    # the reference runtime's dflash-sa suffix-match threshold: our own metadata in manifest.json
+    # ("runtime"), never llm_api_options.yaml (TensorRT-LLM's DFlash config forbids unknown keys)
+    sa_threshold: int | None = None
 
 
 @dataclass(frozen=True)
@@ -517,6 +520,7 @@ def manifest_content(plan: BuildPlan, sources: dict[str, Any]) -> dict[str, Any]
         "llm_api_options": OPTIONS_FILE,
         "drafter": {"block_size": drafter.block_size, "mask_token_id": drafter.mask_token_id,
                     "target_layer_ids": list(drafter.target_layer_ids)},
+        **({"runtime": {"sa_threshold": plan.options.sa_threshold}} if plan.options.sa_threshold else {}),
     }
 
 

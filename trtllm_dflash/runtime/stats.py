@@ -10,6 +10,7 @@ to (block_size - 1) / steps). Token rates count returned tokens only.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 
@@ -103,6 +104,24 @@ def total_stats(results: list[GenerationResult], batch_size: int) -> RequestStat
         total.prefill_time += max(s.prefill_time for s in batch)
         total.decode_time += max(s.decode_time for s in batch)
     return total
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A speed-up measured over interleaved repeats: the median and its min..max."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Spread":
+        return cls(statistics.median(values), min(values), max(values))
+
+    @property
+    def wider_than_effect(self) -> bool:
+        """The repeats disagree by more than the speed-up differs from 1.0x: noise, not a result."""
+        return self.high - self.low > abs(self.median - 1.0)
 
 
 class GenerationInterrupted(Exception):

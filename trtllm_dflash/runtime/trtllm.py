@@ -98,6 +98,22 @@ def check_version(version: str) -> list[str]:
     return warnings
 
 
+def ignored_engine_settings(engine_dir: str | Path) -> list[str]:
+    """Notes for the reference-runtime settings an engine's manifest carries ("runtime" section):
+    TensorRT-LLM's DFlash has no suffix-automaton drafting, so `sa_threshold` is ignored here."""
+    from ..checkpoints.hf import read_json
+    from ..engine.manifest import MANIFEST
+
+    path = Path(engine_dir) / MANIFEST
+    if not path.is_file():
+        return []
+    threshold = read_json(path).get("runtime", {}).get("sa_threshold")
+    if threshold is None:
+        return []
+    return [f"the engine's sa_threshold ({threshold}) is a setting of the reference runtime's dflash-sa drafting; "
+            "the trtllm backend runs DFlash without suffix-automaton drafts and ignores it."]
+
+
 # --------------------------------------------------------------------------------------------
 # Engine directory -> LLM(...) keyword arguments
 # --------------------------------------------------------------------------------------------
@@ -500,7 +516,7 @@ class TrtllmRuntime:
         self.engine_dir = Path(engine_dir)
         trtllm = import_tensorrt_llm()
         self.version = str(getattr(trtllm, "__version__", "0"))
-        self.warnings = check_version(self.version)
+        self.warnings = check_version(self.version) + ignored_engine_settings(self.engine_dir)
         spec_cls = dflash_config_class(trtllm)
         options = read_options(self.engine_dir)
         self.llm_kwargs = llm_kwargs(self.engine_dir, options, overrides, spec_config_cls=spec_cls,
