@@ -7,8 +7,9 @@ vs autoregressive, same prompts, one process.
 
 Pair: --target/--drafter, else the embedded default pair with its held-out prompts, else (with
 --random) a random pair at the embedded scale, where acceptance is meaningless and the numbers
-show the loop's overhead only. The runs are interleaved per repeat and speed-ups are the
-median of per-repeat ratios (min..max beside it), so machine noise largely cancels. tau is pooled:
+show the loop's overhead only. The runs are interleaved per batch of prompts (every method on a
+batch before the next, in rotating order) and speed-ups are the median of per-repeat ratios
+(min..max beside it), so machine noise largely cancels. tau is pooled:
 committed tokens over verify steps of all prompts. Greedy outputs are also checked for
 losslessness against the autoregressive run.
 """
@@ -98,17 +99,25 @@ def main() -> None:
     summary: dict[str, tuple[float, float, float]] = {}
     per_position: dict[str, list[float]] = {}
     outputs: dict[str, list[list[int]]] = {}
+    names = list(runtimes)
     for _ in range(args.repeats):
-        for name, runtime in runtimes.items():
-            runtime.step_times = {"draft": 0.0, "verify": 0.0}
-            results = runtime.generate(prompts, params, args.batch_size)
-            total = total_stats(results, args.batch_size)
+        results: dict[str, list] = {name: [] for name in runtimes}
+        times = {name: {"draft": 0.0, "verify": 0.0} for name in runtimes}
+        # every method on one batch of prompts before the next batch, in a rotating order: the runs
+        # compared are seconds apart, so load from other jobs hits them alike
+        for turn, first in enumerate(range(0, len(prompts), args.batch_size)):
+            for name in names[turn % len(names):] + names[: turn % len(names)]:
+                results[name] += runtimes[name].generate(prompts[first: first + args.batch_size], params,
+                                                         args.batch_size)
+                for part, seconds in runtimes[name].step_times.items():
+                    times[name][part] += seconds
+        for name in runtimes:
+            total = total_stats(results[name], args.batch_size)
             rates[name].append(total.decode_tokens_per_s)
-            times = runtime.step_times
-            summary[name] = (total.acceptance_length, times["draft"] / max(sum(times.values()), 1e-9),
+            summary[name] = (total.acceptance_length, times[name]["draft"] / max(sum(times[name].values()), 1e-9),
                              total.suffix_steps / max(total.steps, 1))
             per_position[name] = total.per_position_acceptance
-            outputs[name] = [r.output_token_ids for r in results]
+            outputs[name] = [r.output_token_ids for r in results[name]]
 
     print(f"pair={label} device={args.device} threads={args.threads} prompts={len(prompts)} "
           f"batch={args.batch_size} max_tokens={args.max_tokens} block={block} repeats={args.repeats}")

@@ -77,7 +77,8 @@ def machine_description(device) -> str:
 @clean_errors
 def main(engine_dir, target_dir, drafter_dir, prompts_file, concurrency, draft_lengths, max_tokens, repeats, requests,
          schedule_source, output_dir, no_plot, device, dtype):
-    """Sweep concurrency x draft length (plus AR and dflash-sa) on ENGINE_DIR, --target/--drafter or the embedded pair."""
+    """Sweep concurrency x draft length (plus AR and dflash-sa) on ENGINE_DIR, --target/--drafter or the
+    embedded pair."""
     from trtllm_dflash.bench.report import analyse, print_summary, write_outputs
     from trtllm_dflash.bench.sweep import SUFFIX_HYBRID, dflash_entries, run_sweep
     from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss

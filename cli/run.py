@@ -104,7 +104,8 @@ def json_record(prompt, runs, tokenizer, base_runs=None) -> dict:
     return record
 
 
-def resolve_draft_method(draft_method: str | None, sa_threshold: int | None, backend: str, engine) -> tuple[str, int | None]:
+def resolve_draft_method(draft_method: str | None, sa_threshold: int | None, backend: str,
+                         engine) -> tuple[str, int | None]:
     """-> (method, suffix-match threshold or None). Default: dflash-sa on the reference runtime (the
     fastest there, docs/benchmarks.md), DFlash on TensorRT-LLM (which has no suffix drafting)."""
     from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD

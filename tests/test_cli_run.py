@@ -43,7 +43,8 @@ def test_json_output_and_baseline(tiny_pair, tmp_path):
         assert record["speedup_min"] <= record["speedup"] <= record["speedup_max"]
     assert records[2]["prompt_token_ids"] == [5, 6, 7]
     # the summary: pooled tau (committed tokens / verify steps of all prompts), repeats, threads
-    assert (summary["method"], summary["sa_threshold"], summary["threads"], summary["repeats"]) == ("dflash-sa", 2, 1, 2)
+    settings = (summary["method"], summary["sa_threshold"], summary["threads"], summary["repeats"])
+    assert settings == ("dflash-sa", 2, 1, 2)
     committed = sum(sum((a + 1) * n for a, n in enumerate(r["acceptance_histogram"])) for r in records)
     assert summary["steps"] == sum(r["steps"] for r in records)
     assert summary["acceptance_length"] == pytest.approx(committed / summary["steps"])
@@ -78,12 +79,14 @@ def test_spread_wider_than_the_effect_is_a_warning():
     from trtllm_dflash.runtime.stats import GenerationResult, RequestStats
 
     def run(decode_time):
-        return [GenerationResult([1], [2] * 11, "length", RequestStats(4, num_output_tokens=11, decode_time=decode_time))]
+        stats = RequestStats(4, num_output_tokens=11, decode_time=decode_time)
+        return [GenerationResult([1], [2] * 11, "length", stats)]
     settings = dict(method="dflash", sa_threshold=None, backend="reference", threads=2, repeats=3)
     steady = summary_record(run(1.0), [run(1.0), run(1.02), run(0.98)], [run(1.5)] * 3, 1, **settings)
     assert steady["speedup"] == pytest.approx(1.5) and spread_warning(steady) is None
     noisy = summary_record(run(1.0), [run(1.0), run(0.5), run(2.0)], [run(1.1)] * 3, 1, **settings)
-    assert noisy["spread_wider_than_effect"] and (noisy["speedup_min"], noisy["speedup_max"]) == pytest.approx((0.55, 2.2))
+    assert noisy["spread_wider_than_effect"]
+    assert (noisy["speedup_min"], noisy["speedup_max"]) == pytest.approx((0.55, 2.2))
     assert "0.55x..2.20x" in spread_warning(noisy) and "--threads 1" in spread_warning(noisy)
 
 
@@ -257,14 +260,20 @@ def test_ctrl_c_prints_statistics_and_exits_130(tiny_pair):
     assert "acceptance length" in out
 
 
-def test_run_engine_directory_and_verify(tiny_pair, tmp_path):
+def build_engine(tiny_pair, engine, *args):
+    """dflash-build of the tiny pair into `engine`, which it returns."""
     from trtllm_dflash.cli.build import main as build_main
 
     target, drafter = tiny_pair
-    engine = tmp_path / "engine"
     built = CliRunner().invoke(build_main, ["--target", str(target), "--drafter", str(drafter), "-o", str(engine),
-                                            "--max-draft-len", "2", "--quiet"])
+                                            "--quiet", *map(str, args)])
     assert built.exit_code == 0, built.output
+    return engine
+
+
+def test_run_engine_directory_and_verify(tiny_pair, tmp_path):
+    target, _ = tiny_pair
+    engine = build_engine(tiny_pair, tmp_path / "engine", "--max-draft-len", 2)
     result = invoke(engine, "--prompt", "abc", "--max-tokens", 8, "--json", "--baseline", "--verify")
     assert result.exit_code == 0, result.output
     (record,), _ = json_lines(result)
@@ -287,15 +296,9 @@ def test_no_arguments_without_embedded_pair_is_a_clear_error(monkeypatch, tmp_pa
 def test_schedule_from_bench_reaches_the_engine_and_the_run(tiny_pair, tmp_path):
     import yaml
 
-    from trtllm_dflash.cli.build import main as build_main
-
-    target, drafter = tiny_pair
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"schedule": {"max_draft_len": 3, "draft_len_schedule": {"1": 3, "2": 1}}}))
-    engine = tmp_path / "engine"
-    built = CliRunner().invoke(build_main, ["--target", str(target), "--drafter", str(drafter), "-o", str(engine),
-                                            "--schedule-from", str(bench), "--quiet"])
-    assert built.exit_code == 0, built.output
+    engine = build_engine(tiny_pair, tmp_path / "engine", "--schedule-from", bench)
     spec = yaml.safe_load((engine / "llm_api_options.yaml").read_text())["speculative_config"]
     assert spec["draft_len_schedule"] == {1: 3, 2: 1} and spec["max_draft_len"] == 3
     result = invoke(engine, "--prompt", "abc", "--prompt", "xyz", "--prompt", "q", "--batch-size", 3,
@@ -376,10 +379,7 @@ def test_sa_threshold_lives_in_the_manifest_not_the_trtllm_options(tiny_pair, tm
     from trtllm_dflash.runtime.trtllm import ignored_engine_settings
 
     target, drafter = tiny_pair
-    engine = tmp_path / "engine"
-    built = CliRunner().invoke(build_main, ["--target", str(target), "--drafter", str(drafter), "-o", str(engine),
-                                            "--sa-threshold", "3", "--quiet"])
-    assert built.exit_code == 0, built.output
+    engine = build_engine(tiny_pair, tmp_path / "engine", "--sa-threshold", 3)
     assert open_engine(engine).sa_threshold == 3
     assert "sa_threshold" not in (engine / "llm_api_options.yaml").read_text()  # TensorRT-LLM forbids unknown keys
     (note,) = ignored_engine_settings(engine)

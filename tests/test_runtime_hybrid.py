@@ -74,7 +74,8 @@ def random_pair():
     hf = random_target(config, 31).float()
     drafter = random_drafter(drafter_config_for(config, block_size=4), 32)
     gen = torch.Generator().manual_seed(33)
-    prompts = [torch.randint(0, 23, (int(n),), generator=gen).tolist() for n in torch.randint(2, 30, (16,), generator=gen)]
+    lengths = torch.randint(2, 30, (16,), generator=gen).tolist()
+    prompts = [torch.randint(0, 23, (n,), generator=gen).tolist() for n in lengths]
     with torch.no_grad():
         expected = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                 max_new_tokens=24, do_sample=False, eos_token_id=None,
