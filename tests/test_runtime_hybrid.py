@@ -1,7 +1,7 @@
 """dflash-sa: suffix-automaton drafts where the committed sequence repeats itself, DFlash otherwise.
 
 The suffix index is checked against a brute-force longest match; the hybrid is token-identical to
-greedy `generate` with suffix and neural rows mixed in one batch, reaches tau = block_size on a
+greedy `generate` on a random and the embedded pair with suffix and neural rows mixed in one batch, reaches tau = block_size on a
 forced repeat, and leaves the drafter's context exactly as a fresh prefill would.
 """
 
@@ -92,6 +92,34 @@ def test_hybrid_greedy_matches_generate_with_mixed_rows(random_pair, batch_size)
     assert [r.output_token_ids for r in results] == expected
     suffix_steps = sum(r.stats.suffix_steps for r in results)
     assert 0 < suffix_steps < sum(r.stats.steps for r in results)  # both sources were used
+    if batch_size > 1:
+        assert any(any(step) and not all(step) for step in proposer.steps), "no step mixed suffix and neural rows"
+
+
+@pytest.fixture(scope="module")
+def embedded_pair():
+    from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
+    from trtllm_dflash.embedded import heldout_prompts, pair_paths
+    from trtllm_dflash.models.drafter import load_drafter
+    from trtllm_dflash.prompts import prompt_token_ids
+
+    target_dir, drafter_dir = pair_paths()
+    hf = load_hf_gpt_oss(target_dir, torch.device("cpu"), torch.float32)
+    prompts = prompt_token_ids(heldout_prompts(8), target_dir)
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                max_new_tokens=32, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    return GptOssTarget(hf), load_drafter(drafter_dir, torch.device("cpu"), torch.float32), prompts, expected
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_hybrid_on_the_embedded_pair_matches_generate(embedded_pair, batch_size):
+    target, drafter, prompts, expected = embedded_pair
+    proposer = RecordingHybrid(DFlashProposer(drafter, target), threshold=2)
+    results = ReferenceRuntime(target, proposer).generate(prompts, SamplingParams(max_tokens=32), batch_size=batch_size)
+    assert [r.output_token_ids for r in results] == expected
+    assert 0 < sum(r.stats.suffix_steps for r in results) < sum(r.stats.steps for r in results)
     if batch_size > 1:
         assert any(any(step) and not all(step) for step in proposer.steps), "no step mixed suffix and neural rows"
 
