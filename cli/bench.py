@@ -77,9 +77,10 @@ def machine_description(device) -> str:
 @clean_errors
 def main(engine_dir, target_dir, drafter_dir, prompts_file, concurrency, draft_lengths, max_tokens, repeats, requests,
          schedule_source, output_dir, no_plot, device, dtype):
-    """Sweep concurrency x draft length (plus AR) on ENGINE_DIR, --target/--drafter or the embedded pair."""
+    """Sweep concurrency x draft length (plus AR and dflash-sa) on ENGINE_DIR, --target/--drafter or the
+    embedded pair."""
     from trtllm_dflash.bench.report import analyse, print_summary, write_outputs
-    from trtllm_dflash.bench.sweep import dflash_entries, run_sweep
+    from trtllm_dflash.bench.sweep import SUFFIX_HYBRID, dflash_entries, run_sweep
     from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
     from trtllm_dflash.checkpoints.validate import validate_pair
     from trtllm_dflash.models.drafter import load_drafter
@@ -130,7 +131,8 @@ def main(engine_dir, target_dir, drafter_dir, prompts_file, concurrency, draft_l
                 "settings": {"concurrency": levels, "draft_lengths": lengths, "max_tokens": max_tokens,
                              "repeats": repeats, "requests": requests, "dtype": str(torch_dtype).removeprefix("torch.")},
                 "points": [p.to_dict() for p in points],
-                **analyse(points, lengths[-1], schedule_source)}  # acceptance is known up to the longest swept
+                # acceptance is known up to the longest swept; TensorRT-LLM's schedule from its own method only
+                **analyse([p for p in points if p.method != SUFFIX_HYBRID], lengths[-1], schedule_source)}
     written = write_outputs(document, points, output_dir, plot=not no_plot)
     print_summary(document, points, Console())
     click.echo("wrote " + ", ".join(str(p) for p in written))

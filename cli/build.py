@@ -88,10 +88,13 @@ def choose_profile(profile: str | None, target_dir: Path | None) -> tuple[str, s
 @click.option("--calibration-prompts", "calibration_prompts_file", type=click.Path(path_type=Path),
               help="Text or JSONL prompts to calibrate the target's static input scales on (--quant fp8 or "
                    "nvfp4). Default: a few built-in prompts where NVFP4 experts need the scales.")
+@click.option("--sa-threshold", type=click.IntRange(min=1),
+              help="Suffix-match length for the reference runtime's dflash-sa drafting (stored in manifest.json; "
+                   "TensorRT-LLM ignores it).")
 @clean_errors
 def main(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_cache_dtype, max_draft_len,
          max_seq_len, tp, ep, triton_repo, check, force, quiet, trt_drafter, schedule_from, allow_foreign_schedule,
-         input_amax_file, calibration_prompts_file):
+         input_amax_file, calibration_prompts_file, sa_threshold):
     """Build an engine directory: checkpoints, llm_api_options.yaml, a Triton repository and a
     manifest with the sha256 of every file. Interrupted builds resume where they stopped."""
     from trtllm_dflash.engine.build import BuildOptions, build_engine, plan_build
@@ -119,7 +122,7 @@ def main(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_
                            max_draft_len, max_seq_len, tp, ep, triton_repo, force, schedule, trt_drafter,
                            input_amax_file, schedule_file=schedule_from,
                            calibration_prompts_file=calibration_prompts_file, schedule_measured_on=measured_on,
-                           allow_foreign_schedule=allow_foreign_schedule)
+                           allow_foreign_schedule=allow_foreign_schedule, sa_threshold=sa_threshold)
     if profile_note:
         click.echo(profile_note)
     if check:

@@ -32,13 +32,15 @@ def test_sweep_runs_end_to_end_and_writes_json_csv_plot(tiny_pair, prompts_file,
     assert {"created", "command", "machine", "pair", "prompts", "settings", "points", "headline", "cost_model",
             "schedule"} <= set(document)
     points = [BenchPoint.from_dict(raw) for raw in document["points"]]
-    assert {(p.method, p.draft_len) for p in points} == {("ar", 0), ("dflash", 1), ("dflash", 3)}
+    assert {(p.method, p.draft_len) for p in points} == {("ar", 0), ("dflash", 1), ("dflash", 3), ("dflash-sa", 3)}
     assert {p.concurrency for p in points} == {1, 2, 4}
     for p in points:
         assert p.tokens_per_s > 0 and p.tokens_per_s_user > 0 and len(p.per_position_acceptance) == p.draft_len
         assert p.decode_tokens == 4 * p.concurrency  # fixed-length outputs: max_tokens - 1 decoded each
         assert p.tokens_per_s == pytest.approx(p.tokens_per_s_user * p.concurrency, rel=0.5)
     assert document["cost_model"]["holdout"]["heldout_concurrency"] == [2]
+    # dflash-sa is measured beside DFlash but TensorRT-LLM's cost model and schedule ignore it
+    assert {row["method"] for row in document["cost_model"]["holdout"]["points"]} <= {"ar", "dflash"}
     assert set(document["headline"]) == {"throughput_gain_at_equal_interactivity",
                                          "interactivity_gain_at_smallest_batch"}
     rows = list(csv.reader((out / "bench.csv").open()))

@@ -150,7 +150,8 @@ def test_an_engine_without_prompts_runs_the_held_out_prompts(short_engine):
     result = run(short_engine.root, "--max-tokens", 2, "--json")
     assert result.exit_code == 0, result.output
     assert "embedded held-out prompts" in result.stderr
-    assert len(result.stdout.splitlines()) == 4
+    *records, summary = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(records) == 4 and summary["summary"] is True
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ..models.drafter import DFlashDrafter
 from ..models.target import GptOssTarget
-from ..runtime.proposers import DFlashProposer
+from ..runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer, SuffixDFlashProposer
 from ..runtime.reference import ReferenceRuntime
 from ..runtime.sampling import SamplingParams
 from ..runtime.stats import GenerationResult, total_stats
@@ -26,11 +26,18 @@ class Entry:
     runtime: ReferenceRuntime
 
 
-def dflash_entries(target: GptOssTarget, drafter: DFlashDrafter, draft_lens: Sequence[int]) -> list[Entry]:
-    """The autoregressive baseline plus one fixed-draft-length DFlash runtime per length."""
+SUFFIX_HYBRID = "dflash-sa"  # measured beside DFlash; not TensorRT-LLM's, so outside its cost model and schedule
+
+
+def dflash_entries(target: GptOssTarget, drafter: DFlashDrafter, draft_lens: Sequence[int],
+                   sa_threshold: int = DEFAULT_SA_THRESHOLD) -> list[Entry]:
+    """The autoregressive baseline, one fixed-draft-length DFlash runtime per length, and dflash-sa
+    (suffix-automaton drafts, else DFlash's) at the longest length."""
     entries = [Entry(AR, 0, ReferenceRuntime(target, None))]
     entries += [Entry("dflash", k, ReferenceRuntime(target, DFlashProposer(drafter, target, k + 1))) for k in draft_lens]
-    return entries
+    longest = max(draft_lens)
+    hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target, longest + 1), sa_threshold)
+    return entries + [Entry(SUFFIX_HYBRID, longest, ReferenceRuntime(target, hybrid))]
 
 
 def batch_prompts(prompts: Sequence[Sequence[int]], concurrency: int, requests: int) -> list[Sequence[int]]:

@@ -70,6 +70,9 @@ class BuildOptions:
     calibration_prompts_file: Path | None = None
     schedule_measured_on: dict[str, str] | None = None  # {'machine', 'device'} of the bench (bench.schedule)
     allow_foreign_schedule: bool = False  # use a schedule measured on another device class than the profile's
+    # the reference runtime's dflash-sa suffix-match threshold: our own metadata in manifest.json
+    # ("runtime"), never llm_api_options.yaml (TensorRT-LLM's DFlash config forbids unknown keys)
+    sa_threshold: int | None = None
 
 
 @dataclass(frozen=True)
@@ -526,6 +529,7 @@ def manifest_content(plan: BuildPlan, sources: dict[str, Any]) -> dict[str, Any]
         "schedule": None if plan.options.draft_len_schedule is None else {
             "file": str(plan.options.schedule_file), "measured_on": plan.options.schedule_measured_on,
             "foreign_allowed": plan.options.allow_foreign_schedule},
+        **({"runtime": {"sa_threshold": plan.options.sa_threshold}} if plan.options.sa_threshold else {}),
     }
 
 

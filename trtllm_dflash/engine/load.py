@@ -12,7 +12,7 @@ from ..checkpoints.gpt_oss import load_hf_gpt_oss
 from ..models.drafter import load_drafter
 from ..models.target import GptOssTarget
 from ..runtime.interface import Runtime, choose_backend
-from ..runtime.proposers import DFlashProposer
+from ..runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer, SuffixDFlashProposer
 from ..runtime.reference import ReferenceRuntime
 from ..errors import InputError
 from .manifest import Engine
@@ -29,13 +29,15 @@ def engine_speculation(engine: Engine) -> tuple[int | None, dict[int, int] | Non
 
 def reference_runtime(engine: Engine, device: torch.device, dtype: torch.dtype,
                       with_drafter: bool = True) -> ReferenceRuntime:
-    """DFlash with the engine's max_draft_len and schedule (or the autoregressive baseline)."""
+    """DFlash with suffix-automaton drafts (dflash-sa, the engine's threshold) and the engine's
+    max_draft_len and schedule (or the autoregressive baseline)."""
     target = GptOssTarget(load_hf_gpt_oss(engine.target_dir, device, dtype))
     if not with_drafter:
         return ReferenceRuntime(target, None)
     block, schedule = engine_speculation(engine)
-    drafter = load_drafter(engine.drafter_dir, device, dtype)
-    return ReferenceRuntime(target, DFlashProposer(drafter, target, block), draft_len_schedule=schedule)
+    dflash = DFlashProposer(load_drafter(engine.drafter_dir, device, dtype), target, block)
+    proposer = SuffixDFlashProposer(dflash, engine.sa_threshold or DEFAULT_SA_THRESHOLD)
+    return ReferenceRuntime(target, proposer, draft_len_schedule=schedule)
 
 
 def engine_backend(engine: Engine, requested: str) -> tuple[str, str]:

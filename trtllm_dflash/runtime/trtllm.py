@@ -108,6 +108,22 @@ def check_probes(features: Sequence[str]) -> None:
                                          "newer one or rebuild with --quant keep or mxfp4.") from None
 
 
+def ignored_engine_settings(engine_dir: str | Path) -> list[str]:
+    """Notes for the reference-runtime settings an engine's manifest carries ("runtime" section):
+    TensorRT-LLM's DFlash has no suffix-automaton drafting, so `sa_threshold` is ignored here."""
+    from ..checkpoints.hf import read_json
+    from ..engine.manifest import MANIFEST
+
+    path = Path(engine_dir) / MANIFEST
+    if not path.is_file():
+        return []
+    threshold = read_json(path).get("runtime", {}).get("sa_threshold")
+    if threshold is None:
+        return []
+    return [f"the engine's sa_threshold ({threshold}) is a setting of the reference runtime's dflash-sa drafting; "
+            "the trtllm backend runs DFlash without suffix-automaton drafts and ignores it."]
+
+
 # --------------------------------------------------------------------------------------------
 # Engine directory -> LLM(...) keyword arguments
 # --------------------------------------------------------------------------------------------
@@ -511,7 +527,7 @@ class TrtllmRuntime:
         requirements = read_requirements(self.engine_dir)
         trtllm = import_tensorrt_llm()
         self.version = str(getattr(trtllm, "__version__", "0"))
-        self.warnings = check_version(self.version, requirements)
+        self.warnings = check_version(self.version, requirements) + ignored_engine_settings(self.engine_dir)
         check_probes(requirements.get("features") or [])
         spec_cls = dflash_config_class(trtllm)
         options = read_options(self.engine_dir)
