@@ -136,3 +136,34 @@ def test_inference_weights_follow_parameter_updates():
     assert torch.equal(rebuilt.qkv[0], fresh.qkv[0]) and torch.equal(rebuilt.context_kv, fresh.context_kv)
     drafter.to(torch.float64)
     assert drafter.inference_weights().gate_up[0].dtype == torch.float64
+
+
+def test_hooked_projections_are_called_and_give_the_same_outputs(drafter):
+    """Calibration hooks q/k/v, gate/up and the experts: the lean paths call those modules then
+    (the hooks fire) and the outputs stay those of the fused path."""
+    cfg = drafter.config
+    hf = random_target(tiny_target_config(), seed=2).float()
+    target = GptOssTarget(hf)
+    tokens = torch.randint(0, 256, (1, 9))
+    features = torch.randn(1, 9, len(cfg.target_layer_ids) * cfg.hidden_size)
+    block = torch.randn(1, cfg.block_size, cfg.hidden_size)
+
+    def outputs():
+        logits, _ = target(tokens, torch.arange(9)[None], target.new_cache(1, 9), [])
+        cache = drafter.new_cache(1, 9 + cfg.block_size)
+        drafter.write_context(features, torch.arange(9)[None], cache)
+        return logits, drafter(block, 9 + torch.arange(cfg.block_size)[None], cache, torch.tensor([9]))
+
+    lean = outputs()
+    seen = set()
+    watched = {"q": hf.model.layers[0].self_attn.q_proj, "experts": hf.model.layers[1].mlp.experts,
+               "draft_k": drafter.layers[0].self_attn.k_proj, "draft_up": drafter.layers[1].mlp.up_proj}
+    handles = [m.register_forward_pre_hook(lambda m, args, name=name: seen.add(name)) for name, m in watched.items()]
+    try:
+        hooked_outputs = outputs()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen == set(watched)
+    for got, expected in zip(hooked_outputs, lean):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -8,7 +8,8 @@ and slots 1..B-1 predict the tokens at their own positions (dflash-algorithm.md 
 Context K/V is computed once per committed token (`write_context`) and cached in a per-request
 arena. The inference path (`write_context`, `forward`) is lean because a drafter step on a small model
 is bound by per-op overhead: the context K/V of all layers comes from one GEMM over stacked weights,
-q/k/v and gate/up are fused (copies rebuilt whenever a parameter changes, see `InferenceWeights`),
+q/k/v and gate/up are fused (copies rebuilt whenever a parameter changes, see `InferenceWeights`;
+while a forward hook watches a fused projection, as calibration does, the modules run instead),
 and the block's own K/V is written to the arena slots just past each request's context, where the
 visibility mask admits it for this forward only and the next commit overwrites it (so rejected
 drafts never become context). `run_layers` / `forward_train` keep the per-module formulation that
@@ -30,7 +31,7 @@ from ..checkpoints.hf import load_state_dict, read_json, require
 from ..errors import InputError
 from .kv_cache import KVArena
 from .rope import Rotary, apply_rotary, rotate
-from .target import attention_bias, fused_attention, sink_attention
+from .target import attention_bias, fused_attention, hooked, sink_attention
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -277,16 +278,24 @@ class DFlashDrafter(nn.Module):
     def block_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVArena,
                         context_lens: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Block queries q [b, Hq, B, D] over the request's context and the block's own k/v [b, B, Hkv, D]
-        -> [b, B, Hq*D]. The plain path reads both from the arena (see `forward`) under `visible`
-        (`attention_bias` form on CPU, `block_visibility` elsewhere); the plugin gets them apart."""
+        -> [b, B, Hq*D]. The plain path writes k/v to the arena slots just past the context and reads
+        both from there under `visible` (`attention_bias` form on CPU, `block_visibility` elsewhere);
+        the plugin gets them apart."""
         if self.use_plugin:
             return self.plugin_attention(q, k.transpose(1, 2), v.transpose(1, 2), cache.k[layer], cache.v[layer],
                                          context_lens)
+        width = q.shape[2]
+        cache.write(layer, context_lens[:, None] + torch.arange(width, device=q.device), k, v)
         keys, values = cache.read(layer, visible.shape[-1])
         if q.device.type == "cpu":
             return fused_attention(q, keys, values, visible, None, self.scale)
-        b, width = q.shape[0], q.shape[2]
-        return sink_attention(q, keys, values, visible[:, None].expand(b, width, -1), None, self.scale)
+        return sink_attention(q, keys, values, visible[:, None].expand(q.shape[0], width, -1), None, self.scale)
+
+    def bypassed_modules_hooked(self) -> bool:
+        """A forward hook on a projection the fused weights bypass (calibration records their inputs)."""
+        return hooked(*(m for layer in self.layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                             layer.self_attn.v_proj, layer.mlp.gate_proj,
+                                                             layer.mlp.up_proj)))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -302,12 +311,18 @@ class DFlashDrafter(nn.Module):
         """Project target features [b, n, F] of committed tokens at `positions` [b, n] into every
         layer's context K/V. Done once per committed token; never recomputed. All layers at once:
         fc -> hidden_norm -> one GEMM over the stacked k/v weights -> each layer's k_norm -> RoPE."""
-        cfg, w = self.config, self.inference_weights()
+        cfg = self.config
         fused = self.hidden_norm(self.fc(features.to(self.dtype)))
+        cos, sin = self.rotary(positions, fused.dtype)
+        if self.bypassed_modules_hooked():
+            for i, layer in enumerate(self.layers):
+                k, v = layer.self_attn.keys_values(fused, cos, sin)
+                cache.write(i, positions, k.transpose(1, 2), v.transpose(1, 2))
+            return
+        w = self.inference_weights()
         b, n, _ = fused.shape
         kv = F.linear(fused, w.context_kv, w.context_kv_bias).view(b, n, cfg.num_hidden_layers, 2,
                                                                    cfg.num_key_value_heads, cfg.head_dim)
-        cos, sin = self.rotary(positions, fused.dtype)
         k = rotate(normalized(kv[:, :, :, 0], cfg.rms_norm_eps) * w.context_k_norm, cos[:, :, None, None],
                    sin[:, :, None, None])
         cache.write_all(positions, k, kv[:, :, :, 1])
@@ -330,27 +345,27 @@ class DFlashDrafter(nn.Module):
 
         The block's K/V go to arena slots [context_lens[i], context_lens[i] + B) (the cache must have
         room for them), which hold no context: the next `write_context` overwrites them."""
-        cfg, w = self.config, self.inference_weights()
+        cfg = self.config
         x = block_embeds.to(self.dtype)
         b, width, _ = x.shape
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         cos, sin = self.rotary(block_positions, x.dtype)
-        cos, sin = cos[:, :, None], sin[:, :, None]
-        slots = context_lens[:, None] + torch.arange(width, device=x.device)
         visible = block_visibility(context_lens, width, int(context_lens.max()) + width)
         if x.device.type == "cpu":
             visible = attention_bias(visible[:, None].expand(b, width, -1), hq // hkv, x.dtype)
+        if self.bypassed_modules_hooked():
+            return self.run_layers(x, cos, sin, lambda i, q, k, v: self.block_attention(
+                i, q, k.transpose(1, 2), v.transpose(1, 2), cache, context_lens, visible))
+        w = self.inference_weights()
+        cos, sin = cos[:, :, None], sin[:, :, None]
         for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
             qkv = F.linear(layer.input_layernorm(x), w.qkv[i], w.qkv_bias[i]).view(b, width, -1, cfg.head_dim)
             qk = rotate(normalized(qkv[:, :, : hq + hkv], cfg.rms_norm_eps) * w.qk_norm[i], cos, sin)
-            k, v = qk[:, :, hq:], qkv[:, :, hq + hkv:]
-            if not self.use_plugin:
-                cache.write(i, slots, k, v)
-            x = x + attn.o_proj(self.block_attention(i, qk[:, :, :hq].transpose(1, 2), k, v, cache, context_lens,
-                                                     visible))
+            attended = self.block_attention(i, qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:], qkv[:, :, hq + hkv:],
+                                            cache, context_lens, visible)
+            x = x + layer.self_attn.o_proj(attended)
             gate, up = F.linear(layer.post_attention_layernorm(x), w.gate_up[i]).chunk(2, dim=-1)
-            x = x + mlp.down_proj(F.silu(gate) * up)
+            x = x + layer.mlp.down_proj(F.silu(gate) * up)
         return self.norm(x)
 
     def forward_train(self, features: torch.Tensor, context_positions: torch.Tensor, block_embeds: torch.Tensor,

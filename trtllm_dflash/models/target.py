@@ -9,9 +9,10 @@ weights, gpt-fast style, because the loop needs three things transformers' gener
 * the residual stream after selected decoder layers (the DFlash features).
 
 On a tiny model a step is bound by per-op overhead, not FLOPs, so the forward keeps the op count
-low: q/k/v come from one GEMM (fused at load; the HF projections become views of it), RoPE rotates
+low: q/k/v come from one GEMM (weights fused at load), RoPE rotates
 q and k in one go, each step builds one additive mask per window kind for all layers, attention is
 one fused kernel on CPU, and the MoE multiplies only the experts a block routes to (`routed_experts`).
+Where a forward hook watches a bypassed module (calibration), that module is called as it is.
 
 Feature convention: target layer id `i` means the OUTPUT of decoder layer `i` (0-based), i.e.
 transformers' `hidden_states[i + 1]` -- the z-lab convention (dflash-algorithm.md §2.4).
@@ -125,17 +126,16 @@ def routed_experts(x: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
     return unsorted.view(-1, top_k, out.shape[-1]).sum(dim=1).to(x.dtype)
 
 
+def hooked(*modules: nn.Module) -> bool:
+    """Whether a forward hook watches one of these modules (quantization calibration records their
+    inputs that way): a lean path that bypasses them must then call them instead."""
+    return any(m._forward_pre_hooks or m._forward_hooks for m in modules)
+
+
 def fuse_qkv(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """One [q; k; v] weight and bias; the separate projections become views of it (no extra memory)."""
+    """One [q; k; v] weight and bias (a copy: the adapter treats the target's weights as frozen)."""
     projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    weight = torch.cat([p.weight.detach() for p in projections])
-    bias = torch.cat([p.bias.detach() for p in projections])
-    start = 0
-    for p in projections:
-        rows = p.weight.shape[0]
-        p.weight.data, p.bias.data = weight[start:start + rows], bias[start:start + rows]
-        start += rows
-    return weight, bias
+    return (torch.cat([p.weight.detach() for p in projections]), torch.cat([p.bias.detach() for p in projections]))
 
 
 class GptOssTarget(nn.Module):
@@ -196,12 +196,16 @@ class GptOssTarget(nn.Module):
         """Layer i's attention on normed h [b, t, H]: writes the tokens' K/V, attends over [0, kv_len)."""
         b, t, _ = h.shape
         hq, hkv = self.num_heads, self.num_kv_heads
-        qkv = F.linear(h, getattr(self, f"qkv_weight_{i}"), getattr(self, f"qkv_bias_{i}")).view(b, t, -1, self.head_dim)
+        attn = self.hf.model.layers[i].self_attn
+        if hooked(attn.q_proj, attn.k_proj, attn.v_proj):
+            qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
+        else:
+            qkv = F.linear(h, getattr(self, f"qkv_weight_{i}"), getattr(self, f"qkv_bias_{i}"))
+        qkv = qkv.view(b, t, -1, self.head_dim)
         qk = rotate(qkv[:, :, : hq + hkv], cos, sin)  # q and k heads side by side: one rotation
         cache.write(i, positions, qk[:, :, hq:], qkv[:, :, hq + hkv:])
         keys, values = cache.read(i, kv_len)
         q = qk[:, :, :hq].transpose(1, 2)
-        attn = self.hf.model.layers[i].self_attn
         if h.device.type == "cpu":
             out = fused_attention(q, keys, values, mask, getattr(self, f"sinks_{i}"), self.scale)
         else:
@@ -231,7 +235,10 @@ class GptOssTarget(nn.Module):
             x = x + self.attention(i, rms_norm(x, layer.input_layernorm), cos, sin, positions, cache, kv_len,
                                    masks[self.windows[i]])
             h = rms_norm(x, layer.post_attention_layernorm)
-            x = x + (routed_experts(h.view(b * t, -1), layer.mlp).view(b, t, -1) if lean else layer.mlp(h)[0])
+            if lean and not hooked(layer.mlp.experts):
+                x = x + routed_experts(h.view(b * t, -1), layer.mlp).view(b, t, -1)
+            else:
+                x = x + layer.mlp(h)[0]
             if i in feature_layers:
                 captured[i] = x
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
