@@ -6,7 +6,14 @@ every layer; a block [anchor, MASK x (B-1)] attends bidirectionally to that cont
 and slots 1..B-1 predict the tokens at their own positions (dflash-algorithm.md §2).
 
 Context K/V is computed once per committed token (`write_context`) and cached in a per-request
-arena; the block's own K/V never enters the cache, so rejected drafts cannot pollute it.
+arena. The inference path (`write_context`, `forward`) is lean because a drafter step on a small model
+is bound by per-op overhead: the context K/V of all layers comes from one GEMM over stacked weights,
+q/k/v and gate/up are fused (copies rebuilt whenever a parameter changes, see `InferenceWeights`;
+while a forward hook watches a fused projection, as calibration does, the modules run instead),
+and the block's own K/V is written to the arena slots just past each request's context, where the
+visibility mask admits it for this forward only and the next commit overwrites it (so rejected
+drafts never become context). `run_layers` / `forward_train` keep the per-module formulation that
+training, the ONNX export and the tests' reference formulas use.
 """
 
 from __future__ import annotations
@@ -17,14 +24,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import Qwen3Config
 
 from ..checkpoints.hf import load_state_dict, read_json, require
 from ..errors import InputError
 from ..quant.recipes import is_gpt_oss
 from .kv_cache import KVArena
-from .rope import Rotary, apply_rotary
-from .target import sink_attention
+from .rope import Rotary, apply_rotary, rotate
+from .target import attention_bias, fused_attention, hooked, sink_attention
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -143,8 +151,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.weight * normalized(x, self.eps)
+
+
+def normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, in float32, cast back (the RMSNorm without its weight)."""
+    return F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 class DraftAttention(nn.Module):
@@ -191,6 +203,47 @@ class DraftLayer(nn.Module):
         self.mlp = DraftMLP(cfg)
 
 
+def cat_or_none(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if tensors[0] is None else torch.cat([t.detach() for t in tensors])
+
+
+@dataclass
+class InferenceWeights:
+    """What the inference path multiplies, fused from the modules' parameters (copies)."""
+
+    context_kv: torch.Tensor  # [layers * 2 * Hkv * D, H]: every layer's k then v projection, stacked
+    context_kv_bias: torch.Tensor | None
+    context_k_norm: torch.Tensor  # [layers, 1, D]: each layer's k_norm weight
+    qkv: list[torch.Tensor]  # per layer [(Hq + 2 Hkv) * D, H]
+    qkv_bias: list[torch.Tensor | None]
+    qk_norm: list[torch.Tensor]  # per layer [Hq + Hkv, D]: q_norm per query head, then k_norm per KV head
+    gate_up: list[torch.Tensor]  # per layer [2 I, H]
+
+    @classmethod
+    def build(cls, drafter: "DFlashDrafter") -> "InferenceWeights":
+        cfg = drafter.config
+        attns = [layer.self_attn for layer in drafter.layers]
+        kv = [p for a in attns for p in (a.k_proj, a.v_proj)]
+        return cls(
+            context_kv=cat_or_none([p.weight for p in kv]), context_kv_bias=cat_or_none([p.bias for p in kv]),
+            context_k_norm=torch.stack([a.k_norm.weight.detach() for a in attns])[:, None],
+            qkv=[cat_or_none([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) for a in attns],
+            qkv_bias=[cat_or_none([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) for a in attns],
+            qk_norm=[torch.cat([a.q_norm.weight.detach().expand(cfg.num_attention_heads, -1),
+                                a.k_norm.weight.detach().expand(cfg.num_key_value_heads, -1)]) for a in attns],
+            gate_up=[cat_or_none([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]) for layer in drafter.layers],
+        )
+
+
+def block_visibility(context_lens: torch.Tensor, width: int, length: int) -> torch.Tensor:
+    """[b, length] bool: the arena slots a request's block sees -- its context [0, context_len) and
+    the block itself, written at [context_len, context_len + width) for the current forward."""
+    slots = torch.arange(length, device=context_lens.device)
+    context = slots < context_lens[:, None]
+    block = (slots >= context_lens[:, None]) & (slots < context_lens[:, None] + width)
+    return context | block
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
@@ -202,6 +255,17 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(cfg.rope_config())
         self.scale = cfg.head_dim ** -0.5
         self.use_plugin = False  # True: block attention through the draft-block plugin's custom op
+        self._fused: tuple[list, list, InferenceWeights] | None = None  # (parameters, their key, weights)
+
+    def inference_weights(self) -> InferenceWeights:
+        """The fused weights, rebuilt when a parameter's data was replaced (`.to()`) or updated in place
+        (an optimizer step, `load_state_dict`): each parameter's storage and version counter are
+        compared with those the copies were made from. (Assigning new Parameter objects is not seen.)"""
+        params = list(self.parameters()) if self._fused is None else self._fused[0]
+        key = [(p.data_ptr(), p._version) for p in params]
+        if self._fused is None or self._fused[1] != key:
+            self._fused = (params, key, InferenceWeights.build(self))
+        return self._fused[2]
 
     def plugin_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: torch.Tensor,
                          ctx_v: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
@@ -217,16 +281,26 @@ class DFlashDrafter(nn.Module):
         return out.reshape(b, width, hq * d)
 
     def block_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVArena,
-                        context_lens: torch.Tensor) -> torch.Tensor:
-        """Block queries [b, Hq, B, D] over the request's context K/V and the block's own -> [b, B, Hq*D]."""
+                        context_lens: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Block queries q [b, Hq, B, D] over the request's context and the block's own k/v [b, B, Hkv, D]
+        -> [b, B, Hq*D]. The plain path writes k/v to the arena slots just past the context and reads
+        both from there under `visible` (`attention_bias` form on CPU, `block_visibility` elsewhere);
+        the plugin gets them apart."""
         if self.use_plugin:
-            return self.plugin_attention(q, k, v, cache.k[layer], cache.v[layer], context_lens)
-        b, width = q.shape[0], q.shape[2]
-        ctx_len = int(context_lens.max()) if b else 0
-        visible = torch.arange(ctx_len, device=q.device) < context_lens[:, None]
-        mask = torch.cat([visible, visible.new_ones(b, width)], dim=1)[:, None].expand(b, width, -1)
-        ctx_k, ctx_v = cache.read(layer, ctx_len)
-        return sink_attention(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask, None, self.scale)
+            return self.plugin_attention(q, k.transpose(1, 2), v.transpose(1, 2), cache.k[layer], cache.v[layer],
+                                         context_lens)
+        width = q.shape[2]
+        cache.write(layer, context_lens[:, None] + torch.arange(width, device=q.device), k, v)
+        keys, values = cache.read(layer, visible.shape[-1])
+        if q.device.type == "cpu":
+            return fused_attention(q, keys, values, visible, None, self.scale)
+        return sink_attention(q, keys, values, visible[:, None].expand(q.shape[0], width, -1), None, self.scale)
+
+    def bypassed_modules_hooked(self) -> bool:
+        """A forward hook on a projection the fused weights bypass (calibration records their inputs)."""
+        return hooked(*(m for layer in self.layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                             layer.self_attn.v_proj, layer.mlp.gate_proj,
+                                                             layer.mlp.up_proj)))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -240,12 +314,23 @@ class DFlashDrafter(nn.Module):
     @torch.inference_mode()
     def write_context(self, features: torch.Tensor, positions: torch.Tensor, cache: KVArena) -> None:
         """Project target features [b, n, F] of committed tokens at `positions` [b, n] into every
-        layer's context K/V. Done once per committed token; never recomputed."""
+        layer's context K/V. Done once per committed token; never recomputed. All layers at once:
+        fc -> hidden_norm -> one GEMM over the stacked k/v weights -> each layer's k_norm -> RoPE."""
+        cfg = self.config
         fused = self.hidden_norm(self.fc(features.to(self.dtype)))
         cos, sin = self.rotary(positions, fused.dtype)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.keys_values(fused, cos, sin)
-            cache.write(i, positions, k, v)
+        if self.bypassed_modules_hooked():
+            for i, layer in enumerate(self.layers):
+                k, v = layer.self_attn.keys_values(fused, cos, sin)
+                cache.write(i, positions, k.transpose(1, 2), v.transpose(1, 2))
+            return
+        w = self.inference_weights()
+        b, n, _ = fused.shape
+        kv = F.linear(fused, w.context_kv, w.context_kv_bias).view(b, n, cfg.num_hidden_layers, 2,
+                                                                   cfg.num_key_value_heads, cfg.head_dim)
+        k = rotate(normalized(kv[:, :, :, 0], cfg.rms_norm_eps) * w.context_k_norm, cos[:, :, None, None],
+                   sin[:, :, None, None])
+        cache.write_all(positions, k, kv[:, :, :, 1])
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
         """The layer stack; `attend(layer, q, k, v)` supplies the context part of attention."""
@@ -261,10 +346,32 @@ class DFlashDrafter(nn.Module):
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, cache: KVArena,
                 context_lens: torch.Tensor) -> torch.Tensor:
         """Draft one block per request: embeds [b, B, H] at positions [b, B]; request i sees its
-        context positions [0, context_lens[i]). Returns the final-normed hidden states [b, B, H]."""
+        context positions [0, context_lens[i]). Returns the final-normed hidden states [b, B, H].
+
+        The block's K/V go to arena slots [context_lens[i], context_lens[i] + B) (the cache must have
+        room for them), which hold no context: the next `write_context` overwrites them."""
+        cfg = self.config
         x = block_embeds.to(self.dtype)
+        b, width, _ = x.shape
+        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         cos, sin = self.rotary(block_positions, x.dtype)
-        return self.run_layers(x, cos, sin, lambda i, q, k, v: self.block_attention(i, q, k, v, cache, context_lens))
+        visible = block_visibility(context_lens, width, int(context_lens.max()) + width)
+        if x.device.type == "cpu":
+            visible = attention_bias(visible[:, None].expand(b, width, -1), hq // hkv, x.dtype)
+        if self.bypassed_modules_hooked():
+            return self.run_layers(x, cos, sin, lambda i, q, k, v: self.block_attention(
+                i, q, k.transpose(1, 2), v.transpose(1, 2), cache, context_lens, visible))
+        w = self.inference_weights()
+        cos, sin = cos[:, :, None], sin[:, :, None]
+        for i, layer in enumerate(self.layers):
+            qkv = F.linear(layer.input_layernorm(x), w.qkv[i], w.qkv_bias[i]).view(b, width, -1, cfg.head_dim)
+            qk = rotate(normalized(qkv[:, :, : hq + hkv], cfg.rms_norm_eps) * w.qk_norm[i], cos, sin)
+            attended = self.block_attention(i, qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:], qkv[:, :, hq + hkv:],
+                                            cache, context_lens, visible)
+            x = x + layer.self_attn.o_proj(attended)
+            gate, up = F.linear(layer.post_attention_layernorm(x), w.gate_up[i]).chunk(2, dim=-1)
+            x = x + layer.mlp.down_proj(F.silu(gate) * up)
+        return self.norm(x)
 
     def forward_train(self, features: torch.Tensor, context_positions: torch.Tensor, block_embeds: torch.Tensor,
                       block_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

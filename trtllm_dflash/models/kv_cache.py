@@ -4,6 +4,10 @@ Rolling back rejected drafts is free: a request's valid length simply moves back
 overwrite the stale entries (attention masks never read past a query's own position). This is also
 why the target keeps full history on its sliding-window layers: transformers' sliding cache keeps
 only the last `sliding_window - 1` positions, so a multi-token verify could not be rolled back there.
+
+All layers live in one tensor per K and V ([layers, b, kv_heads, capacity, D]; `k[i]` / `v[i]` are
+views of layer i), so a writer that has every layer's K/V at once (the drafter's context) stores them
+with one indexed copy.
 """
 
 from __future__ import annotations
@@ -14,16 +18,25 @@ import torch
 class KVArena:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
-        shape = (batch, kv_heads, capacity, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_layers, batch, kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
+        self.split()
+
+    def split(self) -> None:
+        self.k, self.v = list(self.keys.unbind(0)), list(self.values.unbind(0))
+        self.rows = torch.arange(self.keys.shape[1], device=self.keys.device)[:, None]
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """positions [b, t] (absolute); k/v [b, kv_heads, t, D]."""
-        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        self.k[layer][rows, :, positions] = k.transpose(1, 2).to(self.k[layer].dtype)
-        self.v[layer][rows, :, positions] = v.transpose(1, 2).to(self.v[layer].dtype)
+        """positions [b, t] (absolute); k/v [b, t, kv_heads, D] (token-major, as projections give them)."""
+        self.k[layer][self.rows, :, positions] = k.to(self.keys.dtype)
+        self.v[layer][self.rows, :, positions] = v.to(self.values.dtype)
+
+    def write_all(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Every layer at once: positions [b, t]; k/v [b, t, layers, kv_heads, D]."""
+        self.keys[:, self.rows, :, positions] = k.to(self.keys.dtype)
+        self.values[:, self.rows, :, positions] = v.to(self.values.dtype)
 
     def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` positions of every row (callers mask what a row may not see)."""
@@ -31,5 +44,5 @@ class KVArena:
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop finished requests so the batch stays dense (one copy per finish event)."""
-        self.k = [k[rows] for k in self.k]
-        self.v = [v[rows] for v in self.v]
+        self.keys, self.values = self.keys[:, rows], self.values[:, rows]
+        self.split()

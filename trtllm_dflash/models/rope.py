@@ -34,8 +34,12 @@ class Rotary(torch.nn.Module):
         return (angles.cos() * self.attention_scaling).to(dtype), (angles.sin() * self.attention_scaling).to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, heads, t, D]; cos/sin [b, t, D/2] (rotate-half pairing, as HF GptOss and Qwen3)."""
-    cos, sin = cos[:, None], sin[:, None]
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., D]; cos/sin broadcastable to [..., D/2] (rotate-half pairing, as HF GptOss and Qwen3)."""
     first, second = x.chunk(2, dim=-1)
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, t, D]; cos/sin [b, t, D/2]."""
+    return rotate(x, cos[:, None], sin[:, None])

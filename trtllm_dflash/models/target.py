@@ -2,11 +2,17 @@
 
 The weights live in transformers' `GptOssForCausalLM` (the reference implementation; it also
 dequantizes the MXFP4 experts on CPU). This adapter runs its own lean forward over those very
-modules, gpt-fast style, because the loop needs three things transformers' generate path lacks:
+weights, gpt-fast style, because the loop needs three things transformers' generate path lacks:
 
 * a static K/V arena with per-request lengths that rolls back for free (see `kv_cache.py`);
 * ragged batches: every request has its own absolute positions;
 * the residual stream after selected decoder layers (the DFlash features).
+
+On a tiny model a step is bound by per-op overhead, not FLOPs, so the forward keeps the op count
+low: q/k/v come from one GEMM (weights fused at load), RoPE rotates
+q and k in one go, each step builds one additive mask per window kind for all layers, attention is
+one fused kernel on CPU, and the MoE multiplies only the experts a block routes to (`routed_experts`).
+Where a forward hook watches a bypassed module (calibration), that module is called as it is.
 
 Feature convention: target layer id `i` means the OUTPUT of decoder layer `i` (0-based), i.e.
 transformers' `hidden_states[i + 1]` -- the z-lab convention (dflash-algorithm.md §2.4).
@@ -17,9 +23,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from .kv_cache import KVArena
-from .rope import Rotary, apply_rotary
+from .rope import Rotary, rotate
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -28,6 +35,7 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
     q [b, Hq, t, D]; k/v [b, Hkv, S, D]; mask [b, t, S] bool (True = visible); sinks [Hq] or None.
     The sink acts as one extra logit column with no value vector (gpt-oss). Returns [b, t, Hq*D].
+    The plain formulation: used off CPU, in training, and as the reference for `fused_attention`.
     """
     b, hq, t, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
@@ -46,6 +54,32 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return out.reshape(b, hq, t, d).transpose(1, 2).reshape(b, t, hq * d)
 
 
+def attention_bias(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """visible [b, t, S] bool -> additive mask [b, 1, groups * t, S] (0 or -inf) in the layout of
+    `fused_attention`'s rows (a KV head's `groups` query heads stacked); built once per step."""
+    b, t, length = visible.shape
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+    return bias[:, None].expand(b, groups, t, length).reshape(b, 1, groups * t, length)
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                    sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """`sink_attention` as one fused CPU kernel: q [b, Hq, t, D], k/v [b, Hkv, S, D], `bias` from
+    `attention_bias`, sinks [Hkv, G, 1] float32 or None -> [b, t, Hq*D].
+
+    The kernel returns each row's log-sum-exp, and a sink only rescales a row:
+    softmax over [scores, sink] = softmax(scores) * Z / (Z + e^sink) = ... * sigmoid(lse - sink).
+    """
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.reshape(b, hkv, hq // hkv * t, d), k, v, attn_mask=bias, scale=scale)
+    if sinks is not None:
+        keep = torch.sigmoid(lse.view(b, hkv, hq // hkv, t) - sinks)
+        out = out.view(b, hkv, hq // hkv, t, d) * keep[..., None].to(out.dtype)
+    return out.reshape(b, hq, t, d).transpose(1, 2).reshape(b, t, hq * d)
+
+
 def causal_mask(positions: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
     """positions [b, t] -> [b, t, kv_len]: key p visible iff p <= query (and p > query - window)."""
     keys = torch.arange(kv_len, device=positions.device)
@@ -54,6 +88,54 @@ def causal_mask(positions: torch.Tensor, kv_len: int, window: int | None) -> tor
     if window is not None:
         mask &= keys > query - window
     return mask
+
+
+def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """transformers' GptOssRMSNorm (float32 math, weight applied before the cast back) in one op."""
+    return F.rms_norm(x.float(), norm.weight.shape, norm.weight.float(), norm.variance_epsilon).to(x.dtype)
+
+
+def routed_experts(x: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
+    """transformers' GptOssMLP on tokens x [n, H]: the same router, the same grouped formulation (rows
+    sorted by expert, biases and routing weights applied alike, the top-k outputs summed in order),
+    hence the same numbers, but each GEMM covers only an expert that some token routes to. On CPU
+    transformers' grouped_mm multiplies every expert (empty groups included) with extra ops per call."""
+    experts = mlp.experts
+    _, scores, indices = mlp.router(x)
+    top_k = indices.shape[1]
+    expert_ids, order = torch.sort(indices.reshape(-1))
+    rows = x[order // top_k]
+    counts = torch.bincount(expert_ids, minlength=experts.num_experts).tolist()
+    spans, start = [], 0
+    for expert, count in enumerate(counts):
+        if count:
+            spans.append((expert, start, start + count))
+            start += count
+    gate_up = rows.new_empty(len(rows), experts.gate_up_proj.shape[-1])
+    for expert, first, last in spans:
+        torch.mm(rows[first:last], experts.gate_up_proj[expert], out=gate_up[first:last])
+    gate_up += experts.gate_up_proj_bias[expert_ids]
+    act = experts._apply_gate(gate_up)
+    out = rows.new_empty(len(rows), experts.down_proj.shape[-1])
+    for expert, first, last in spans:
+        torch.mm(act[first:last], experts.down_proj[expert], out=out[first:last])
+    out += experts.down_proj_bias[expert_ids]
+    out *= scores.reshape(-1)[order, None]
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out
+    return unsorted.view(-1, top_k, out.shape[-1]).sum(dim=1).to(x.dtype)
+
+
+def hooked(*modules: nn.Module) -> bool:
+    """Whether a forward hook watches one of these modules (quantization calibration records their
+    inputs that way): a lean path that bypasses them must then call them instead."""
+    return any(m._forward_pre_hooks or m._forward_hooks for m in modules)
+
+
+def fuse_qkv(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """One [q; k; v] weight and bias (a copy: the adapter treats the target's weights as frozen)."""
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    return (torch.cat([p.weight.detach() for p in projections]), torch.cat([p.bias.detach() for p in projections]))
 
 
 class GptOssTarget(nn.Module):
@@ -66,6 +148,14 @@ class GptOssTarget(nn.Module):
         self.windows = [cfg.sliding_window if kind == "sliding_attention" else None for kind in cfg.layer_types]
         self.head_dim = cfg.head_dim
         self.scale = self.head_dim ** -0.5
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.groups = self.num_heads // self.num_kv_heads
+        for i, layer in enumerate(hf_model.model.layers):
+            weight, bias = fuse_qkv(layer.self_attn)
+            self.register_buffer(f"qkv_weight_{i}", weight, persistent=False)
+            self.register_buffer(f"qkv_bias_{i}", bias, persistent=False)
+            sinks = layer.self_attn.sinks.detach().float().view(self.num_kv_heads, self.groups, 1)
+            self.register_buffer(f"sinks_{i}", sinks, persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -96,8 +186,31 @@ class GptOssTarget(nn.Module):
         return self.hf.model.embed_tokens(tokens)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits from a hidden state that is already final-normed (the drafter's output is)."""
-        return self.hf.lm_head(hidden).float()
+        """Logits from a hidden state that is already final-normed (the drafter's output is). As one
+        2-D GEMM: a 3-D (or sliced) input sends F.linear to a batched matmul, several times slower."""
+        logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), self.hf.lm_head.weight, self.hf.lm_head.bias)
+        return logits.view(*hidden.shape[:-1], -1).float()
+
+    def attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                  cache: KVArena, kv_len: int, mask: torch.Tensor) -> torch.Tensor:
+        """Layer i's attention on normed h [b, t, H]: writes the tokens' K/V, attends over [0, kv_len)."""
+        b, t, _ = h.shape
+        hq, hkv = self.num_heads, self.num_kv_heads
+        attn = self.hf.model.layers[i].self_attn
+        if hooked(attn.q_proj, attn.k_proj, attn.v_proj):
+            qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
+        else:
+            qkv = F.linear(h, getattr(self, f"qkv_weight_{i}"), getattr(self, f"qkv_bias_{i}"))
+        qkv = qkv.view(b, t, -1, self.head_dim)
+        qk = rotate(qkv[:, :, : hq + hkv], cos, sin)  # q and k heads side by side: one rotation
+        cache.write(i, positions, qk[:, :, hq:], qkv[:, :, hq + hkv:])
+        keys, values = cache.read(i, kv_len)
+        q = qk[:, :, :hq].transpose(1, 2)
+        if h.device.type == "cpu":
+            out = fused_attention(q, keys, values, mask, getattr(self, f"sinks_{i}"), self.scale)
+        else:
+            out = sink_attention(q, keys, values, mask, attn.sinks, self.scale)
+        return attn.o_proj(out)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVArena,
@@ -110,24 +223,25 @@ class GptOssTarget(nn.Module):
         """
         x = self.embed(tokens)
         cos, sin = self.rotary(positions, x.dtype)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads
         kv_len = int(positions.max()) + 1
+        lean = x.device.type == "cpu"
         masks = {w: causal_mask(positions, kv_len, w) for w in set(self.windows)}
+        if lean:
+            masks = {w: attention_bias(mask, self.groups, x.dtype) for w, mask in masks.items()}
         captured = {}
         b, t, _ = x.shape
         for i, layer in enumerate(self.hf.model.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(b, t, -1, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(b, t, -1, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(h).view(b, t, -1, self.head_dim).transpose(1, 2)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            cache.write(i, positions, k, v)
-            keys, values = cache.read(i, kv_len)
-            x = x + attn.o_proj(sink_attention(q, keys, values, masks[self.windows[i]], attn.sinks, self.scale))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))[0]
+            x = x + self.attention(i, rms_norm(x, layer.input_layernorm), cos, sin, positions, cache, kv_len,
+                                   masks[self.windows[i]])
+            h = rms_norm(x, layer.post_attention_layernorm)
+            if lean and not hooked(layer.mlp.experts):
+                x = x + routed_experts(h.view(b * t, -1), layer.mlp).view(b, t, -1)
+            else:
+                x = x + layer.mlp(h)[0]
             if i in feature_layers:
                 captured[i] = x
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
         if logit_index is not None:
             x = x[torch.arange(b, device=x.device), logit_index]
-        return self.hf.lm_head(self.hf.model.norm(x)).float(), features
+        return self.lm_head(rms_norm(x, self.hf.model.norm)), features

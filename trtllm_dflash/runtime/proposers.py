@@ -64,24 +64,29 @@ class DFlashProposer:
         self.mask_token_id = cfg.mask_token_id
 
     def start(self, features, prompt_lens, capacity):
-        self.cache = self.drafter.new_cache(len(prompt_lens), capacity)
+        """Sizes every per-step buffer once: the draft arena (context plus one block of scratch), the
+        block of tokens (mask ids after the anchor column) and the column offsets."""
+        batch, device = len(prompt_lens), prompt_lens.device
+        self.cache = self.drafter.new_cache(batch, capacity)
         self.context_lens = torch.zeros_like(prompt_lens)
         self.pending, self.pending_lens = features, prompt_lens.clone()
+        self.columns = torch.arange(capacity, device=device)
+        self.block = torch.full((batch, self.block_size), self.mask_token_id, dtype=torch.long, device=device)
 
     def write_pending_context(self) -> None:
         """Write the queued committed positions' context K/V (before drafting, and on steps whose
         drafts come from elsewhere, so the draft cache never falls behind the committed tokens)."""
-        offsets = torch.arange(self.pending.shape[1], device=self.context_lens.device)
-        self.drafter.write_context(self.pending, self.context_lens[:, None] + offsets, self.cache)
+        self.drafter.write_context(self.pending, self.context_lens[:, None] + self.columns[: self.pending.shape[1]],
+                                   self.cache)
         self.context_lens += self.pending_lens
-        self.pending, self.pending_lens = self.pending[:, :0], torch.zeros_like(self.pending_lens)
+        self.pending, self.pending_lens = self.pending[:, :0], self.pending_lens.zero_()
 
     def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
         self.write_pending_context()
         width = num_drafts + 1
-        block = torch.full((len(anchors), width), self.mask_token_id, dtype=anchors.dtype, device=anchors.device)
+        block = self.block[:, :width]
         block[:, 0] = anchors
-        positions = anchor_positions[:, None] + torch.arange(width, device=anchors.device)
+        positions = anchor_positions[:, None] + self.columns[:width]
         hidden = self.drafter(self.target.embed(block), positions, self.cache, self.context_lens)
         logits = self.target.lm_head(hidden[:, 1:].to(self.target.dtype))
         if params.greedy:
@@ -98,6 +103,7 @@ class DFlashProposer:
     def keep_rows(self, rows):
         self.cache.keep_rows(rows)
         self.context_lens, self.pending, self.pending_lens = self.context_lens[rows], self.pending[rows], self.pending_lens[rows]
+        self.block = self.block[rows]
 
 
 def append_ragged(buffer: torch.Tensor, lens: torch.Tensor, new: torch.Tensor, new_lens: torch.Tensor

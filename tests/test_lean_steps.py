@@ -1,0 +1,169 @@
+"""The lean inference paths against the reference formulations they replace: transformers' MoE,
+the plain sink attention, the drafter's per-layer context K/V and its concatenating block attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+from trtllm_dflash.models.drafter import InferenceWeights
+from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
+from trtllm_dflash.models.target import (GptOssTarget, attention_bias, causal_mask, fused_attention, routed_experts,
+                                         sink_attention)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (3, 8, 2), (8, 8, 2), (40, 4, 3), (2, 32, 4)])
+def test_routed_experts_equal_transformers_mlp(tokens, experts, top_k, dtype):
+    """Same router, same grouped sums: equal to GptOssMLP (transformers' grouped_mm experts) on
+    random inputs, with experts that no token routes to (8 tokens rarely reach all 32)."""
+    config = tiny_target_config(experts=experts, top_k=top_k)
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(tokens)
+    mlp = GptOssMLP(config).eval()
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    mlp = mlp.to(dtype)
+    x = torch.randn(tokens, config.hidden_size).to(dtype)
+    with torch.inference_mode():
+        expected, _ = mlp(x[None])
+        got = routed_experts(x, mlp)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected[0], rtol=1e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(got, expected[0], rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_sinks", [True, False])
+def test_fused_attention_equals_sink_attention(with_sinks, dtype):
+    """Ragged causal / windowed masks over a cache slice, grouped heads, sinks on and off."""
+    torch.manual_seed(0)
+    b, hq, hkv, t, d, length = 3, 4, 2, 5, 16, 23
+    q = torch.randn(b, hq, t, d).to(dtype)
+    k, v = (torch.randn(b, hkv, 40, d)[:, :, :length].to(dtype) for _ in range(2))
+    positions = torch.tensor([[18, 19, 20, 21, 22], [3, 4, 5, 6, 7], [0, 1, 2, 3, 4]])
+    sinks = torch.randn(hq) if with_sinks else None
+    for window in (None, 4):
+        mask = causal_mask(positions, length, window)
+        expected = sink_attention(q, k, v, mask, sinks, d ** -0.5)
+        packed_sinks = None if sinks is None else sinks.view(hkv, hq // hkv, 1)
+        got = fused_attention(q, k, v, attention_bias(mask, hq // hkv, dtype), packed_sinks, d ** -0.5)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
+def test_target_logits_equal_transformers_forward():
+    """The lean forward (fused qkv, fused attention, routed experts) against transformers' own forward."""
+    hf = random_target(tiny_target_config(num_layers=4, sliding_window=4, experts=8, top_k=2), seed=5).float()
+    target = GptOssTarget(hf)
+    tokens = torch.randint(0, 256, (2, 14))
+    logits, _ = target(tokens, torch.arange(14).expand(2, -1), target.new_cache(2, 14), [])
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return random_drafter(drafter_config_for(tiny_target_config(), num_layers=3, block_size=5), seed=7, std=0.1)
+
+
+def test_fused_context_kv_equals_per_layer_path(drafter):
+    """One GEMM over the stacked k/v weights == each layer's own k_proj -> k_norm -> RoPE and v_proj."""
+    cfg = drafter.config
+    features = torch.randn(2, 6, len(cfg.target_layer_ids) * cfg.hidden_size)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5], [9, 10, 11, 12, 13, 14]])
+    cache = drafter.new_cache(2, 16)
+    drafter.write_context(features, positions, cache)
+    with torch.no_grad():
+        fused = drafter.hidden_norm(drafter.fc(features))
+        cos, sin = drafter.rotary(positions, fused.dtype)
+        rows = torch.arange(2)[:, None]
+        for i, layer in enumerate(drafter.layers):
+            k, v = layer.self_attn.keys_values(fused, cos, sin)  # [b, Hkv, n, D]
+            torch.testing.assert_close(cache.k[i][rows, :, positions], k.transpose(1, 2), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(cache.v[i][rows, :, positions], v.transpose(1, 2), rtol=1e-6, atol=1e-6)
+
+
+def concatenating_forward(drafter, block, positions, cache, context_lens):
+    """The previous inference path: per-module layers, block K/V concatenated after the context."""
+    cos, sin = drafter.rotary(positions, block.dtype)
+    b, width = block.shape[:2]
+    ctx_len = int(context_lens.max())
+    visible = torch.arange(ctx_len) < context_lens[:, None]
+    mask = torch.cat([visible, visible.new_ones(b, width)], dim=1)[:, None].expand(b, width, -1)
+
+    def attend(i, q, k, v):
+        ctx_k, ctx_v = cache.read(i, ctx_len)
+        return sink_attention(q, torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2), mask, None, drafter.scale)
+
+    with torch.no_grad():
+        return drafter.run_layers(block, cos, sin, attend)
+
+
+def test_lean_block_forward_equals_concatenating_path_and_keeps_context(drafter):
+    """Ragged contexts (one empty): equal outputs, and the context slots of the arena are untouched
+    by the block K/V the forward writes past them."""
+    cfg = drafter.config
+    lens = torch.tensor([9, 0, 4])
+    cache = drafter.new_cache(3, 9 + cfg.block_size)
+    drafter.write_context(torch.randn(3, 9, len(cfg.target_layer_ids) * cfg.hidden_size), torch.arange(9).expand(3, -1),
+                          cache)
+    before = cache.keys.clone(), cache.values.clone()
+    block = torch.randn(3, cfg.block_size, cfg.hidden_size)
+    positions = lens[:, None] + torch.arange(cfg.block_size)
+    expected = concatenating_forward(drafter, block, positions, cache, lens)
+    got = drafter(block, positions, cache, lens)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for row, n in enumerate(lens.tolist()):
+        assert torch.equal(cache.keys[:, row, :, :n], before[0][:, row, :, :n])
+        assert torch.equal(cache.values[:, row, :, :n], before[1][:, row, :, :n])
+
+
+def test_inference_weights_follow_parameter_updates():
+    """An in-place update (an optimizer step) or new data (`.to()`) rebuilds the fused copies."""
+    drafter = random_drafter(drafter_config_for(tiny_target_config(), num_layers=1, block_size=4), seed=1, std=0.1)
+    first = drafter.inference_weights()
+    assert drafter.inference_weights() is first  # nothing changed: no rebuild
+    with torch.no_grad():
+        drafter.layers[0].self_attn.k_proj.weight.mul_(2)
+    rebuilt = drafter.inference_weights()
+    assert rebuilt is not first
+    fresh = InferenceWeights.build(drafter)
+    assert torch.equal(rebuilt.qkv[0], fresh.qkv[0]) and torch.equal(rebuilt.context_kv, fresh.context_kv)
+    drafter.to(torch.float64)
+    assert drafter.inference_weights().gate_up[0].dtype == torch.float64
+
+
+def test_hooked_projections_are_called_and_give_the_same_outputs(drafter):
+    """Calibration hooks q/k/v, gate/up and the experts: the lean paths call those modules then
+    (the hooks fire) and the outputs stay those of the fused path."""
+    cfg = drafter.config
+    hf = random_target(tiny_target_config(), seed=2).float()
+    target = GptOssTarget(hf)
+    tokens = torch.randint(0, 256, (1, 9))
+    features = torch.randn(1, 9, len(cfg.target_layer_ids) * cfg.hidden_size)
+    block = torch.randn(1, cfg.block_size, cfg.hidden_size)
+
+    def outputs():
+        logits, _ = target(tokens, torch.arange(9)[None], target.new_cache(1, 9), [])
+        cache = drafter.new_cache(1, 9 + cfg.block_size)
+        drafter.write_context(features, torch.arange(9)[None], cache)
+        return logits, drafter(block, 9 + torch.arange(cfg.block_size)[None], cache, torch.tensor([9]))
+
+    lean = outputs()
+    seen = set()
+    watched = {"q": hf.model.layers[0].self_attn.q_proj, "experts": hf.model.layers[1].mlp.experts,
+               "draft_k": drafter.layers[0].self_attn.k_proj, "draft_up": drafter.layers[1].mlp.up_proj}
+    handles = [m.register_forward_pre_hook(lambda m, args, name=name: seen.add(name)) for name, m in watched.items()]
+    try:
+        hooked_outputs = outputs()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen == set(watched)
+    for got, expected in zip(hooked_outputs, lean):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
