@@ -121,7 +121,8 @@ def expected(engine):
         args += ["--prompt", prompt]
     out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
-    return {r["prompt"]: (r["output_token_ids"], r["text"]) for r in map(json.loads, out.splitlines())}
+    records = [r for r in map(json.loads, out.splitlines()) if not r.get("summary")]  # last line: the run's summary
+    return {r["prompt"]: (r["output_token_ids"], r["text"]) for r in records}
 
 
 class Server:
