@@ -9,6 +9,7 @@ convention of trtllm-bench's --osl and genai-perf's output-tokens-mean, so point
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -110,9 +111,12 @@ def read_sharegpt(path: Path) -> list[str]:
     """The first human turn of every conversation in a ShareGPT file (a JSON list of
     {"conversations": [{"from": "human", "value": ...}, ...]}, the format vLLM's and SGLang's
     serving benchmarks read)."""
-    from ..checkpoints.hf import read_json
-
-    data = read_json(path)
+    if not path.is_file():
+        raise InputError("file not found; expected a ShareGPT JSON file.", path=path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"not valid JSON ({exc}).", path=path) from None
     if not isinstance(data, list):
         raise InputError("expected a JSON list of conversations (ShareGPT format).", path=path)
     prompts = []
