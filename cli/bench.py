@@ -116,9 +116,10 @@ class ProgressReport:
 
     def __call__(self, runner, shape, run, repeat) -> None:
         from trtllm_dflash.bench.metrics import run_figures
+        from trtllm_dflash.bench.sweep import runner_name
 
         self.done += 1
-        name = f"{runner.method} K={runner.draft_len} {shape.label} repeat {repeat + 1}"
+        name = f"{runner_name(runner)} {shape.label} repeat {repeat + 1}"
         if self.progress is not None:
             self.progress.update(self.task, advance=1, description=name)
             return

@@ -127,6 +127,10 @@ class EndpointRunner:
 Runner = InProcessRunner | EndpointRunner
 
 
+def runner_name(runner: Runner) -> str:
+    return f"{runner.method} K={runner.draft_len if runner.draft_len >= 0 else '?'}"
+
+
 class PartialSweep(InputError):
     """The sweep stopped on an endpoint failure; `points` holds the points completed before it."""
 
@@ -168,9 +172,9 @@ def failure(runner: Runner, shape: LoadShape, run: Run) -> str | None:
     """Why a run is unusable: every request failed (a dead or refusing server)."""
     if run.records and not any(r.ok for r in run.records):
         first = next((r.error for r in run.records if r.error), "no tokens came back")
-        return f"every request of {runner.method} K={runner.draft_len} at {shape.label} failed: {first}"
+        return f"every request of {runner_name(runner)} at {shape.label} failed: {first}"
     if not run.records:
-        return f"{runner.method} K={runner.draft_len} at {shape.label} sent no request (duration too short?)"
+        return f"{runner_name(runner)} at {shape.label} sent no request (duration too short?)"
     return None
 
 
