@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from trtllm_dflash.bench.confidence import (bootstrap_interval, recommendation, schedule_effect,
+from trtllm_dflash.bench.confidence import (bootstrap_interval, decisive_spread, recommendation, schedule_effect,
                                             spread_summary)
 from trtllm_dflash.bench.load import LoadShape, closed_loop, open_loop, poisson_arrivals, read_sharegpt, synthetic_prompts
 from trtllm_dflash.bench.metrics import RequestRecord, distribution, latency_samples, reported_acceptance, run_figures
@@ -191,12 +191,25 @@ def test_schedule_effect_and_refusal_when_noise_exceeds_it():
     refused = recommendation(effect, quiet, 1.05, uses_model=True)  # the 105% held-out error
     assert not refused["recommended"] and "held-out error of 105.0%" in refused["reason"]
     noisy = recommendation(effect, {"median": 0.4, "max": 0.9, "points": 6}, 0.1, uses_model=True)
-    assert not noisy["recommended"] and "spread of 40.0%" in noisy["reason"]
+    assert not noisy["recommended"] and "spread (typical) of 40.0%" in noisy["reason"]
+    # Quiet on the whole, but the two points the effect rests on scatter more than the effect.
+    local = recommendation(effect, quiet, 0.1, uses_model=True, local_spread=0.3)
+    assert not local["recommended"] and "spread (at batch 1) of 30.0%" in local["reason"]
     assert recommendation(effect, quiet, 1.05, uses_model=False)["recommended"]  # measured: no model error
     assert not recommendation(effect, None, 0.1, uses_model=True)["recommended"]  # one repeat
     # Speculation off everywhere: the effect is AR's lead over the best draft length.
     off = schedule_effect(score, {1: 0, 4: 0}, 2)
     assert off["versus"] in ("K=1", "K=2") and off["margin"] == pytest.approx(300 / 280 - 1)
+
+
+def test_decisive_spread_reads_the_effects_own_points():
+    points = [point(AR, 0, 1, [1, 1, 1], [90, 100, 140]), point("dflash", 3, 1, [1, 1, 1], [190, 200, 210]),
+              point("dflash", 1, 1, [1, 1, 1], [100, 100, 100]), point(AR, 0, 4, [1, 1], [100, 300])]
+    effect = {"margin": 1.0, "band": [1, 1], "draft_len": 3, "versus": "AR"}
+    assert decisive_spread(points, effect) == pytest.approx(0.5)  # AR at c=1: (140 - 90) / 100
+    unswept = {"margin": 1.0, "band": [1, 1], "draft_len": 5, "versus": "AR"}  # falls back to the fastest, K=3
+    assert decisive_spread(points[1:3], unswept) == pytest.approx(0.1)
+    assert decisive_spread(points, {"margin": 0.0}) is None
 
 
 def test_rate_points_are_labelled_by_their_rate():

@@ -75,10 +75,26 @@ def schedule_effect(score: Score, lengths: dict[int, int], most: int) -> dict:
     return best
 
 
-def recommendation(effect: dict, spread: dict | None, model_error: float | None, uses_model: bool) -> dict:
-    """Recommend the schedule only when its effect exceeds both the run-to-run spread and, for a
-    model-chosen schedule, the model's held-out error. -> {"recommended", "reason", "noise"}."""
-    noise = {"spread": None if spread is None else spread["median"], "model_error": model_error if uses_model else None}
+def decisive_spread(points: Sequence[BenchPoint], effect: dict) -> float | None:
+    """The larger spread of the two measured points the effect rests on: at its band's upper batch
+    size, the chosen draft length (or the best measured DFlash point, when the model chose an
+    unswept length) and its alternative (AR, or the best measured DFlash point)."""
+    if "band" not in effect:
+        return None
+    at = [p for p in points if p.concurrency == effect["band"][1]]
+    ar = [p for p in at if p.method == AR]
+    spec = sorted((p for p in at if p.method != AR), key=lambda p: (p.draft_len != effect["draft_len"], -p.tokens_per_s))
+    spreads = [p.spread() for p in ar[:1] + spec[:1]]
+    return max(spreads) if spreads and None not in spreads else None
+
+
+def recommendation(effect: dict, spread: dict | None, model_error: float | None, uses_model: bool,
+                   local_spread: float | None = None) -> dict:
+    """Recommend the schedule only when its effect exceeds the run-to-run spread (the typical one,
+    and that of the points the effect rests on) and, for a model-chosen schedule, the model's
+    held-out error. -> {"recommended", "reason", "noise"}."""
+    typical = None if spread is None else spread["median"]
+    noise = {"spread": typical, "decisive_spread": local_spread, "model_error": model_error if uses_model else None}
     if spread is None:
         return {"recommended": False, "noise": noise,
                 "reason": "one repeat per point, so the run-to-run spread is unknown (use --repeats 3 or more)"}
@@ -90,9 +106,11 @@ def recommendation(effect: dict, spread: dict | None, model_error: float | None,
     chosen = "AR" if effect.get("draft_len") == 0 else f"K={effect.get('draft_len')}"
     claim = (f"its largest effect is {margin:.1%} ({chosen} vs {effect['versus']} at batch "
              f"{effect['band'][0]}-{effect['band'][1]})" if "band" in effect else "it has no effect at all")
-    if noise["spread"] >= margin:
+    worst = max(typical, local_spread or 0.0)
+    if worst >= margin:
+        which = "typical" if worst == typical else f"at batch {effect['band'][1]}"
         return {"recommended": False, "noise": noise,
-                "reason": f"{claim}, within the run-to-run spread of {noise['spread']:.1%}: rerun with more "
+                "reason": f"{claim}, within the run-to-run spread ({which}) of {worst:.1%}: rerun with more "
                           "--repeats / --requests on a quieter machine"}
     if uses_model and model_error >= margin:
         return {"recommended": False, "noise": noise,

@@ -13,7 +13,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from .confidence import headline_intervals, recommendation, schedule_effect, spread_summary
+from .confidence import decisive_spread, headline_intervals, recommendation, schedule_effect, spread_summary
 from .cost_model import fit_cost_model, holdout_error
 from .pareto import best_throughput_gain
 from .points import AR, CONCURRENCY, CSV_COLUMNS, BenchPoint, csv_row
@@ -79,7 +79,7 @@ def schedule_section(points: Sequence[BenchPoint], max_draft_len: int, source: s
     effect = schedule_effect(score, lengths, max_draft_len)
     holdout = cost["holdout"] if cost else None
     verdict = recommendation(effect, spread_summary(closed), holdout["mean_abs_relative_error"] if holdout else None,
-                             uses_model)
+                             uses_model, decisive_spread(closed, effect))
     section["candidate_draft_len_schedule"] = section.pop("draft_len_schedule")
     if verdict["recommended"]:
         section["draft_len_schedule"] = section["candidate_draft_len_schedule"]
@@ -140,11 +140,12 @@ def print_summary(document: dict, points: Sequence[BenchPoint], console: Console
     console.print("latencies in ms; ±: half the min-max range over repeats; n/r: not reported by the server",
                   style="dim")
     for line in summary_lines(document):
-        console.print(line, width=100)
+        console.print(line, width=100, markup=False, highlight=False)
 
 
 def interval_text(interval: list[float] | None) -> str:
-    return f" [95% CI {interval[0]:.2f}-{interval[1]:.2f}]" if interval else " [no CI: needs 2+ repeats]"
+    return (f" (95% CI {interval[0]:.2f}-{interval[1]:.2f})" if interval else
+            " (no 95% CI: one repeat, or the curves overlap in under half of the resamples)")
 
 
 def summary_lines(document: dict) -> list[str]:
