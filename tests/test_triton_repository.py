@@ -1,11 +1,13 @@
-"""The Triton model repository: config.pbtxt against Triton's ModelConfig schema, model.yaml, and
-the Python-backend model driven through a stubbed `triton_python_backend_utils` (no server here)."""
+"""The Triton model repository: config.pbtxt against Triton's ModelConfig schema and the upstream
+llmapi interface, model.yaml, and the Python-backend model driven through a stubbed
+`triton_python_backend_utils` (no server here; tests/test_triton_server.py runs a real one)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import sys
+import threading
 import types
 
 import numpy as np
@@ -17,7 +19,7 @@ from trtllm_dflash.engine.build import BuildOptions, build_engine
 from trtllm_dflash.engine.load import reference_runtime
 from trtllm_dflash.engine.options import LlmApiOptions
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.triton.service import INPUT_NAMES, OUTPUTS
+from trtllm_dflash.triton.llmapi import INPUT_NAMES, OUTPUTS
 
 
 def triton_schema():
@@ -62,6 +64,49 @@ def test_config_pbtxt_parses_with_triton_schema(built, where):
     assert (repo / "dflash" / engine_ref).resolve() == built.engine.root.resolve()
 
 
+# The upstream llmapi model's tensors (NVIDIA/TensorRT-LLM triton_backend/all_models/llmapi/tensorrt_llm/
+# config.pbtxt @ 0a71057, helpers.py @ 0df60f9; beam_width from tensorrtllm_backend @ c1e1963), written
+# out here so that dropping or retyping one fails this test.
+UPSTREAM_INPUTS = {
+    "text_input": ("TYPE_STRING", [-1]), "image_url": ("TYPE_STRING", [-1]), "streaming": ("TYPE_BOOL", [1]),
+    "sampling_param_best_of": ("TYPE_INT32", [1]), "sampling_param_beam_width": ("TYPE_INT32", [1]),
+    "sampling_param_temperature": ("TYPE_FP32", [1]), "sampling_param_top_k": ("TYPE_INT32", [1]),
+    "sampling_param_top_p": ("TYPE_FP32", [1]), "sampling_param_frequency_penalty": ("TYPE_FP32", [1]),
+    "sampling_param_presence_penalty": ("TYPE_FP32", [1]), "sampling_param_max_tokens": ("TYPE_INT32", [1]),
+    "sampling_param_stop": ("TYPE_STRING", [-1]), "sampling_param_seed": ("TYPE_UINT64", [1]),
+    "sampling_param_exclude_input_from_output": ("TYPE_BOOL", [1]),
+    "sampling_param_return_perf_metrics": ("TYPE_BOOL", [1]),
+    "sampling_param_logits_post_processor_name": ("TYPE_STRING", [1]),
+    "return_finish_reason": ("TYPE_BOOL", [1]), "return_stop_reason": ("TYPE_BOOL", [1]),
+    "return_cumulative_logprob": ("TYPE_BOOL", [1]), "stop": ("TYPE_BOOL", [1]),
+    "lora_id": ("TYPE_UINT64", [1]), "lora_name": ("TYPE_STRING", [1]), "lora_path": ("TYPE_STRING", [1]),
+    "lora_ckpt_source": ("TYPE_STRING", [1]),
+}
+UPSTREAM_OUTPUTS = {
+    "text_output": ("TYPE_STRING", [-1]), "finish_reason": ("TYPE_STRING", [-1]),
+    "stop_reason": ("TYPE_STRING", [-1]), "arrival_time_ns": ("TYPE_INT64", [1]),
+    "first_scheduled_time_ns": ("TYPE_INT64", [1]), "first_token_time_ns": ("TYPE_INT64", [1]),
+    "last_token_time_ns": ("TYPE_INT64", [1]), "acceptance_rate": ("TYPE_FP32", [1]),
+    "total_accepted_draft_tokens": ("TYPE_INT32", [1]), "total_draft_tokens": ("TYPE_INT32", [1]),
+}
+NOT_PRODUCED = ("cumulative_logprob", "kv_cache_reused_block", "kv_cache_missed_block", "kv_cache_alloc_new_blocks",
+                "kv_cache_alloc_total_blocks", "kv_cache_hit_rate")
+
+
+def test_config_accepts_the_upstream_llmapi_interface(built):
+    from google.protobuf import text_format
+
+    schema = triton_schema()
+    config = text_format.Parse((built.engine.triton_dir / "dflash" / "config.pbtxt").read_text(), schema.ModelConfig())
+    dtype = schema.DataType.Name
+    inputs = {i.name: (dtype(i.data_type), list(i.dims)) for i in config.input}
+    outputs = {o.name: (dtype(o.data_type), list(o.dims)) for o in config.output}
+    assert {name: inputs.get(name) for name in UPSTREAM_INPUTS} == UPSTREAM_INPUTS
+    assert {name: outputs.get(name) for name in UPSTREAM_OUTPUTS} == UPSTREAM_OUTPUTS
+    assert inputs["input_ids"] == ("TYPE_INT32", [-1]) and outputs["output_ids"] == ("TYPE_INT32", [-1])
+    assert not set(NOT_PRODUCED) & set(outputs)  # no numbers for them: not declared, so asking for one fails
+
+
 @pytest.mark.parametrize("where", ["engine", "external"])
 def test_model_yaml_carries_the_llm_api_options(built, where):
     repo = built.engine.triton_dir if where == "engine" else built.triton_repo
@@ -89,27 +134,50 @@ class FakeTensor:
 
 class FakeSender:
     def __init__(self):
-        self.sent = []
+        self.sent, self.finished = [], threading.Event()
 
     def send(self, response, flags=0):
         self.sent.append((response, flags))
+        if flags:
+            self.finished.set()
 
 
 class FakeRequest:
-    def __init__(self, **inputs):
+    def __init__(self, request_id="", parameters="{}", **inputs):
         self.inputs = {k: FakeTensor(k, v) for k, v in inputs.items()}
-        self.sender = FakeSender()
+        self.sender, self.cancelled, self.id, self.params = FakeSender(), False, request_id, parameters
 
     def get_response_sender(self):
         return self.sender
+
+    def is_cancelled(self):
+        return self.cancelled
+
+    def request_id(self):
+        return self.id
+
+    def parameters(self):
+        return self.params
+
+    def responses(self, timeout=60):
+        """Everything sent, once the final response is (the model answers from its worker thread)."""
+        assert self.sender.finished.wait(timeout), "no final response"
+        return self.sender.sent
 
 
 @pytest.fixture
 def pb_utils(monkeypatch):
     module = types.ModuleType("triton_python_backend_utils")
     module.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+    class TritonError:
+        CANCELLED = 7
+
+        def __init__(self, message, code=None):
+            self.message, self.code = message, code
+
     module.Tensor = FakeTensor
-    module.TritonError = lambda message: ("error", message)
+    module.TritonError = TritonError
     module.InferenceResponse = lambda output_tensors, error=None: types.SimpleNamespace(
         outputs={t.name(): t.as_numpy() for t in output_tensors}, error=error)
     module.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
@@ -127,84 +195,239 @@ def model(built, pb_utils):
     parameters = {"engine_dir": {"string_value": "../.."}, "backend": {"string_value": "reference"}}
     instance.initialize({"model_config": json.dumps({"parameters": parameters}),
                          "model_repository": str(model_dir)})
-    return instance
+    yield instance
+    instance.finalize()
+
+
+def joined(sent, name="output_ids"):
+    """A streamed output concatenated over every response (ids) or joined (text)."""
+    if name == "text_output":
+        return b"".join(r.outputs[name][0] for r, _ in sent if name in r.outputs).decode()
+    return [int(t) for r, _ in sent if name in r.outputs for t in r.outputs[name]]
+
+
+def baseline_ids(built, prompt, max_tokens):
+    runtime = reference_runtime(built.engine, torch.device("cpu"), torch.float32, with_drafter=False)
+    [baseline] = runtime.generate([prompt], SamplingParams(max_tokens=max_tokens, stop_token_ids=(256,)))
+    return baseline.output_token_ids
+
+
+PROMPT = [72, 101, 108, 108, 111]
+
+
+def ids(values):
+    return np.array(values, dtype=np.int32)
+
+
+def request(max_tokens=12, **inputs):
+    inputs.setdefault("input_ids", ids(PROMPT))
+    return FakeRequest(sampling_param_max_tokens=ids([max_tokens]), **inputs)
 
 
 def test_streaming_request_matches_the_baseline(built, model):
-    prompt = [72, 101, 108, 108, 111]
-    request = FakeRequest(input_ids=np.array(prompt, dtype=np.int32), streaming=np.array([True]),
-                          sampling_param_max_tokens=np.array([12], dtype=np.int32))
-    model.execute([request])
-    sent = request.sender.sent
+    streamed = request(streaming=np.array([True]))
+    model.execute([streamed])
+    sent = streamed.responses()
     assert [flags for _, flags in sent] == [0] * (len(sent) - 1) + [1] and len(sent) > 2
-    ids = [int(t) for response, _ in sent[:-1] for t in response.outputs["output_ids"]]
-    runtime = reference_runtime(built.engine, torch.device("cpu"), torch.float32, with_drafter=False)
-    [baseline] = runtime.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=(256,)))
-    assert ids == baseline.output_token_ids
+    assert joined(sent) == baseline_ids(built, PROMPT, 12)
     final = sent[-1][0].outputs
     assert final["total_draft_tokens"][0] > 0 and 0 <= final["acceptance_rate"][0] <= 1
     assert final["acceptance_length"][0] >= 1 and final["finish_reason"][0] in (b"length", b"stop")
-    text = b"".join(response.outputs["text_output"][0] for response, _ in sent[:-1]).decode()
-    assert text == model.service.tokenizer.decode(ids)
+    assert joined(sent, "text_output") == model.service.tokenizer.decode(joined(sent))
 
 
 def test_text_request_without_streaming(model):
-    request = FakeRequest(text_input=np.array([b"Hello"], dtype=object),
-                          sampling_param_max_tokens=np.array([6], dtype=np.int32))
-    model.execute([request])
-    [(response, flags)] = request.sender.sent
+    text = FakeRequest(text_input=np.array([b"Hello"], dtype=object), sampling_param_max_tokens=ids([6]))
+    model.execute([text])
+    [(response, flags)] = text.responses()
     assert flags == 1 and response.error is None
-    ids = response.outputs["output_ids"].tolist()
-    assert 1 <= len(ids) <= 6
-    assert response.outputs["text_output"][0].decode() == model.service.tokenizer.decode(ids)
+    out = response.outputs["output_ids"].tolist()
+    assert 1 <= len(out) <= 6
+    assert response.outputs["text_output"][0].decode() == model.service.tokenizer.decode(out)
 
 
 def test_bad_request_gets_an_error_response(model):
-    request = FakeRequest(sampling_param_max_tokens=np.array([6], dtype=np.int32))
-    model.execute([request])
-    [(response, flags)] = request.sender.sent
-    assert flags == 1 and "text_input" in response.error[1]
+    missing = FakeRequest(sampling_param_max_tokens=ids([6]))
+    model.execute([missing])
+    [(response, flags)] = missing.responses()
+    assert flags == 1 and "text_input" in response.error.message
 
 
 def test_malformed_requests_get_error_responses_and_the_batch_goes_on(model, monkeypatch):
-    prompt = np.array([72, 101, 108], dtype=np.int32)
-    few = np.array([3], dtype=np.int32)
+    prompt, few = ids([72, 101, 108]), ids([3])
     bad = [
         (dict(text_input=np.array([b"\xff\xfe\x80"], dtype=object)), "text_input", "UTF-8 text"),
+        (dict(text_input=np.array([b"a", b"b"], dtype=object)), "text_input", "one prompt per request"),
         (dict(input_ids=np.array([1.5, 2.0], dtype=np.float32)), "input_ids", "integer token ids"),
         (dict(input_ids=np.array([[72, 101]], dtype=np.int32)), "input_ids", "1-D"),
+        (dict(input_ids=ids([72, 10**6])), "input_ids", "outside"),
         (dict(input_ids=prompt, sampling_param_temperature=np.array([b"abc"], dtype=object)),
          "sampling_param_temperature", "a number"),
+        (dict(input_ids=prompt, sampling_param_temperature=np.array([-1.0], dtype=np.float32)),
+         "sampling_param_temperature", ">= 0"),
         (dict(input_ids=prompt, streaming=np.array([b"false"], dtype=object)), "streaming", "a boolean"),
         (dict(input_ids=prompt, sampling_param_top_p=np.array([0.5, 0.9], dtype=np.float32)),
          "sampling_param_top_p", "one value"),
+        (dict(input_ids=prompt, sampling_param_stop=np.array([b""], dtype=object)), "sampling_param_stop", "empty"),
     ]
     requests = [FakeRequest(sampling_param_max_tokens=few, **inputs) for inputs, _, _ in bad]
+    requests.append(FakeRequest(input_ids=prompt, sampling_param_max_tokens=ids([10**6])))
+    bad.append((None, "sampling_param_max_tokens", "exceeds"))
     requests.append(FakeRequest(input_ids=prompt, sampling_param_max_tokens=few))
     model.execute(requests)
-    for request, (_, field, message) in zip(requests, bad):
-        [(response, flags)] = request.sender.sent
-        assert flags == 1 and field in response.error[1] and message in response.error[1], response.error
-    [(response, flags)] = requests[-1].sender.sent  # the good request after them is still answered
+    for req, (_, field, message) in zip(requests, bad):
+        [(response, flags)] = req.responses()
+        assert flags == 1 and field in response.error.message and message in response.error.message, \
+            response.error.message
+    [(response, flags)] = requests[-1].responses()  # the good request after them is still answered
     assert flags == 1 and response.error is None and len(response.outputs["output_ids"]) >= 1
 
     def crash(*args, **kwargs):
         raise RuntimeError("CUDA out of memory")
 
     monkeypatch.setattr(model.service.runtime, "generate", crash)
-    request = FakeRequest(input_ids=prompt, sampling_param_max_tokens=few)
-    model.execute([request])
-    [(response, flags)] = request.sender.sent
-    assert flags == 1 and response.error == ("error", "internal error: RuntimeError: CUDA out of memory")
+    failing = FakeRequest(input_ids=prompt, sampling_param_max_tokens=few)
+    model.execute([failing])
+    [(response, flags)] = failing.responses()
+    assert flags == 1 and response.error.message == "internal error: RuntimeError: CUDA out of memory"
+
+
+@pytest.mark.parametrize("field, value, neutral", [
+    ("sampling_param_presence_penalty", np.array([0.5], np.float32), np.array([0.0], np.float32)),
+    ("sampling_param_frequency_penalty", np.array([0.1], np.float32), np.array([0.0], np.float32)),
+    ("sampling_param_best_of", ids([2]), ids([1])),
+    ("sampling_param_beam_width", ids([4]), ids([1])),
+    ("return_cumulative_logprob", np.array([True]), np.array([False])),
+    ("sampling_param_logits_post_processor_name", np.array([b"mine"], dtype=object), np.array([b""], dtype=object)),
+    ("image_url", np.array([b"http://example.com/cat.png"], dtype=object), None),
+    ("lora_name", np.array([b"adapter"], dtype=object), None),
+])
+def test_upstream_fields_we_cannot_honour_are_refused_by_name(model, field, value, neutral):
+    refused = request(3, **{field: value})
+    model.execute([refused])
+    [(response, _)] = refused.responses()
+    assert field in response.error.message and "cannot be honoured" in response.error.message
+    if neutral is not None:  # the value that asks for nothing is accepted
+        accepted = request(3, **{field: neutral})
+        model.execute([accepted])
+        assert accepted.responses()[-1][0].error is None
+
+
+def test_unknown_request_parameters_are_refused(model):
+    unknown = request(3, parameters=json.dumps({"bogus": 1}))
+    model.execute([unknown])
+    [(response, _)] = unknown.responses()
+    assert "bogus" in response.error.message and "not an input" in response.error.message
+
+
+def test_concurrent_requests_run_as_one_batch_each_with_its_own_limit(built, model, monkeypatch):
+    sizes = []
+    generate = model.service.runtime.generate
+    monkeypatch.setattr(model.service.runtime, "generate",
+                        lambda prompts, *args, **kwargs: sizes.append(len(prompts)) or generate(prompts, *args, **kwargs))
+    prompts = [PROMPT, [87, 111, 114, 108, 100], [84, 104, 101], PROMPT]
+    limits = [5, 12, 8, 2]
+    requests = [request(n, input_ids=ids(p), streaming=np.array([i % 2 == 0])) for i, (p, n) in
+                enumerate(zip(prompts, limits))]
+    with model.scheduler.wake:  # hold the worker back until all four have arrived
+        model.execute(requests)
+    for req, prompt, limit in zip(requests, prompts, limits):
+        assert joined(req.responses()) == baseline_ids(built, prompt, limit)
+    assert sizes == [4]
+
+
+def test_stop_strings_end_the_text_before_them(built, model):
+    text = model.service.tokenizer.decode(baseline_ids(built, PROMPT, 12))
+    stop = text[5:7]
+    expected = text[: text.find(stop)]
+    for streaming in (False, True):
+        stopped = request(12, sampling_param_stop=np.array([stop.encode(), b"never"], dtype=object),
+                          return_stop_reason=np.array([True]), streaming=np.array([streaming]))
+        model.execute([stopped])
+        sent = stopped.responses()
+        final = sent[-1][0].outputs
+        assert joined(sent, "text_output") == expected
+        assert final["finish_reason"][0] == b"stop" and final["stop_reason"][0] == stop.encode()
+
+
+def test_echo_and_perf_metrics(model):
+    echoed = FakeRequest(text_input=np.array([b"Hello"], dtype=object), sampling_param_max_tokens=ids([4]),
+                         sampling_param_exclude_input_from_output=np.array([False]),
+                         sampling_param_return_perf_metrics=np.array([True]))
+    model.execute([echoed])
+    [(response, _)] = echoed.responses()
+    out = response.outputs
+    assert out["text_output"][0].decode().startswith("Hello")
+    times = [int(out[name][0]) for name in
+             ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")]
+    assert times == sorted(times) and times[0] > 0
+
+
+def test_a_cancelled_request_stops_generating(built, model, monkeypatch):
+    from trtllm_dflash.triton.service import Job
+
+    monkeypatch.setattr(Job, "CHECK_EVERY_S", 0.0)
+    cancelled = request(40, streaming=np.array([True]))
+    send = cancelled.sender.send
+
+    def send_then_cancel(response, flags=0):  # the client goes away after the first streamed tokens
+        send(response, flags)
+        cancelled.cancelled = True
+
+    cancelled.sender.send = send_then_cancel
+    model.execute([cancelled])
+    sent = cancelled.responses()
+    final = sent[-1][0]
+    assert final.error is not None and final.error.code == 7 and "cancelled" in final.error.message
+    assert len(joined(sent)) <= 1 + 2 * built.engine.llm_api_options().speculative_config.max_draft_len
+
+
+def test_a_stop_request_cancels_requests_with_its_id(model):
+    running = request(12, request_id="job-1")
+    stopper = FakeRequest(request_id="job-1", stop=np.array([True]))
+    with model.scheduler.wake:
+        model.execute([running, stopper])
+    for req in (running, stopper):
+        [(response, _)] = req.responses()
+        assert response.error.code == 7
+
+
+def test_the_runtime_drops_a_cancelled_request_at_the_next_step(built):
+    runtime = reference_runtime(built.engine, torch.device("cpu"), torch.float32)
+    params = SamplingParams(max_tokens=10, stop_token_ids=(256,))
+    first, second = runtime.generate([PROMPT, [84, 104, 101]], params, 2, cancelled=lambda i: i == 0)
+    assert first.finish_reason == "cancelled" and len(first.output_token_ids) == 1  # only the prefill token
+    assert second.output_token_ids == baseline_ids(built, [84, 104, 101], 10)
 
 
 def test_a_tiny_temperature_samples_the_argmax_instead_of_nan(model):
-    prompt = np.array([72, 101, 108, 108, 111], dtype=np.int32)
     outputs = {}
     for temperature in (0.0, 1e-45, 1e-38):
-        request = FakeRequest(input_ids=prompt, sampling_param_max_tokens=np.array([6], dtype=np.int32),
-                              sampling_param_temperature=np.array([temperature], dtype=np.float32))
-        model.execute([request])
-        [(response, _)] = request.sender.sent
+        tiny = request(6, sampling_param_temperature=np.array([temperature], dtype=np.float32))
+        model.execute([tiny])
+        [(response, _)] = tiny.responses()
         outputs[temperature] = response.outputs["output_ids"].tolist()
     assert outputs[1e-45] == outputs[1e-38] == outputs[0.0]
+
+
+def test_take_batch_keeps_arrival_order_and_runs_sampled_requests_alone():
+    from collections import deque
+
+    from trtllm_dflash.triton.llmapi import RequestSpec
+    from trtllm_dflash.triton.scheduler import take_batch
+    from trtllm_dflash.triton.service import Job
+
+    def job(name, temperature=0.0):
+        return Job(RequestSpec(None, [1], SamplingParams(temperature=temperature)), [1], None, None, request_id=name)
+
+    queue = deque([job("g1"), job("s1", 0.7), job("g2"), job("g3"), job("g4")])
+    assert [j.request_id for j in take_batch(queue, 3)] == ["g1", "g2", "g3"]
+    assert [j.request_id for j in take_batch(queue, 3)] == ["s1"]
+    assert [j.request_id for j in take_batch(queue, 3)] == ["g4"] and not queue
+
+
+def test_streaming_holds_back_what_a_stop_string_or_utf8_may_still_change():
+    from trtllm_dflash.triton.service import held_back
+
+    assert held_back("the end", ("ending",)) == 3 and held_back("the end", ("xyz",)) == 0
+    assert held_back("caf\ufffd", ()) == 1

@@ -16,6 +16,7 @@ from .sampling import SamplingParams
 from .stats import GenerationResult
 
 OnTokens = Callable[[int, list[int]], None]  # (request index, newly committed tokens)
+Cancelled = Callable[[int], bool]  # (request index) -> stop generating for it now
 
 BACKENDS = ("auto", "trtllm", "reference")
 

@@ -21,7 +21,7 @@ import torch
 
 from ..models.target import GptOssTarget
 from .accept import greedy_accept, rejection_accept, sample_from_probs
-from .interface import OnTokens, check_request
+from .interface import Cancelled, OnTokens, check_request
 from .proposers import Proposer
 from .sampling import SamplingParams, probabilities
 from .stats import GenerationInterrupted, GenerationResult, RequestStats
@@ -99,9 +99,11 @@ def verify_step(target: GptOssTarget, cache, proposer: Proposer | None, anchors:
 def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Sequence[Sequence[int]],
                    params: SamplingParams, on_tokens: OnTokens | None = None,
                    step_times: dict[str, float] | None = None,
-                   draft_len_schedule: dict[int, int] | None = None) -> list[GenerationResult]:
+                   draft_len_schedule: dict[int, int] | None = None,
+                   cancelled: Cancelled | None = None) -> list[GenerationResult]:
     """Generate for one batch of prompts until every request stops or reaches max_tokens.
-    With a schedule the draft length follows the live batch size, step by step."""
+    With a schedule the draft length follows the live batch size, step by step. `cancelled(request)`,
+    asked before each step, finishes a request as "cancelled" (a server's client went away)."""
     device = target.device
     block_size = 1 if proposer is None else proposer.num_drafts + 1
     step_times = step_times if step_times is not None else {"draft": 0.0, "verify": 0.0}
@@ -148,6 +150,10 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
         rows = list(range(len(prompts)))  # batch row -> request index
         anchors, positions = first, lens
         while True:
+            if cancelled is not None:
+                for request in rows:
+                    if finish[request] is None and cancelled(request):
+                        finish[request] = "cancelled"
             keep = [i for i, request in enumerate(rows) if finish[request] is None]
             if len(keep) < len(rows):
                 now = time.perf_counter()
@@ -196,7 +202,7 @@ class ReferenceRuntime:
         self.generate([prompt], SamplingParams(max_tokens=3))
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, batch_size: int = 1,
-                 on_tokens: OnTokens | None = None) -> list[GenerationResult]:
+                 on_tokens: OnTokens | None = None, cancelled: Cancelled | None = None) -> list[GenerationResult]:
         check_request(prompts, batch_size, self.target.vocab_size, params.max_tokens,
                       self.target.config.max_position_embeddings)
         results: list[GenerationResult] = []
@@ -204,9 +210,10 @@ class ReferenceRuntime:
         for first in range(0, len(prompts), batch_size):
             chunk = prompts[first: first + batch_size]
             callback = None if on_tokens is None else (lambda r, toks, base=first: on_tokens(base + r, toks))
+            stop = None if cancelled is None else (lambda r, base=first: cancelled(base + r))
             try:
                 results.extend(generate_batch(self.target, self.proposer, chunk, params, callback, self.step_times,
-                                              self.draft_len_schedule))
+                                              self.draft_len_schedule, stop))
             except GenerationInterrupted as interrupted:
                 raise GenerationInterrupted(results + interrupted.results) from None
         return results

@@ -1,7 +1,9 @@
-"""Triton Python-backend model serving a dflash-build engine (copied to `<repo>/dflash/1/model.py`).
+"""Triton Python-backend model serving a dflash-build engine (copied to `<repo>/<name>/1/model.py`).
 
 Needs `trtllm_dflash` installed in the Python environment of Triton's Python backend. All request
-logic lives in `trtllm_dflash.triton.service`; this file only moves tensors in and responses out.
+logic lives in `trtllm_dflash.triton` (llmapi: parsing, scheduler: batching, service: generation);
+this file only moves tensors in and responses out. Decoupled: `execute` queues each request and
+returns; the scheduler's worker thread answers through the request's response sender.
 """
 
 from __future__ import annotations
@@ -12,13 +14,28 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash.errors import InputError
-from trtllm_dflash.triton.service import INPUT_NAMES, DFlashService
+from trtllm_dflash.triton.llmapi import INPUT_NAMES, refuse_parameters
+from trtllm_dflash.triton.scheduler import BatchScheduler
+from trtllm_dflash.triton.service import DFlashService, Job
 
 
-def fail(sender, message: str) -> None:
-    """The request's final response, carrying only an error."""
-    sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)),
-                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+def responder(sender):
+    """(emit, fail) for one request's response sender."""
+    def emit(outputs, final):
+        tensors = [pb_utils.Tensor(name, value) for name, value in outputs.items()]
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
+
+    def fail(message, cancelled=False):
+        code = getattr(pb_utils.TritonError, "CANCELLED", None) if cancelled else None
+        error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+        try:
+            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:  # noqa: BLE001 -- a cancelled request may refuse further responses
+            pass
+
+    return emit, fail
 
 
 class TritonPythonModel:
@@ -27,30 +44,32 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         engine_dir = Path(args["model_repository"]) / params["engine_dir"]  # absolute paths stay absolute
         self.service = DFlashService.from_engine(engine_dir, params.get("backend", "auto"),
-                                                 params.get("verify_checksums") == "true")
+                                                 params.get("verify_checksums") == "true",
+                                                 params.get("device", "auto"), params.get("speculation", "dflash"))
+        self.scheduler = BatchScheduler(self.service.run_batch, self.service.max_batch_size)
 
     def execute(self, requests):
-        """Decoupled mode: every request answers through its own response sender."""
         for request in requests:
-            sender = request.get_response_sender()
+            emit, fail = responder(request.get_response_sender())
             inputs = {}
             for name in INPUT_NAMES:
                 tensor = pb_utils.get_input_tensor_by_name(request, name)
                 if tensor is not None:
                     inputs[name] = tensor.as_numpy()
-
-            def emit(outputs, final, sender=sender):
-                tensors = [pb_utils.Tensor(name, value) for name, value in outputs.items()]
-                flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-                sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
-
             try:
-                self.service.handle(inputs, emit)
+                refuse_parameters(json.loads(request.parameters() or "{}"))
+                spec, prompt = self.service.prepare(inputs)
+                if spec.stop_request:  # upstream's answer to a stop request is a CANCELLED error
+                    self.scheduler.cancel(request.request_id())
+                    fail("request cancelled by client", True)
+                    continue
+                self.scheduler.submit(Job(spec, prompt, emit, fail, request.is_cancelled, request.request_id()))
             except InputError as exc:
-                fail(sender, str(exc))
+                fail(str(exc))
             except Exception as exc:  # noqa: BLE001 -- one failing request must not leave the others unanswered
-                fail(sender, f"internal error: {type(exc).__name__}: {exc}")
+                fail(f"internal error: {type(exc).__name__}: {exc}")
         return None
 
     def finalize(self):
+        self.scheduler.close()
         self.service = None

@@ -13,12 +13,13 @@ an absolute path for a repository written elsewhere (`dflash-build --triton-repo
 from __future__ import annotations
 
 import shutil
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import yaml
 
 from ..engine.options import LlmApiOptions
-from .service import INPUTS, OUTPUTS, TensorSpec
+from .llmapi import INPUTS, OUTPUTS, TensorSpec
 
 MODEL_NAME = "dflash"
 MODEL_SOURCE = Path(__file__).with_name("model.py")
@@ -30,14 +31,24 @@ def tensor_block(spec: TensorSpec, optional: bool) -> str:
     return f'  {{\n    name: "{spec.name}"\n    data_type: {spec.data_type}\n    dims: [ {dims} ]{extra}\n  }}'
 
 
-def render_config(engine_ref: str, backend: str = "auto") -> str:
-    """config.pbtxt: max_batch_size 0 (the runtime batches), decoupled so a request can stream."""
+@dataclass(frozen=True)
+class ModelParameters:
+    """How model.py runs the engine (config.pbtxt `parameters`, read back in `initialize`)."""
+
+    backend: str = "auto"
+    device: str = "auto"
+    speculation: str = "dflash"  # "off": the target alone, the autoregressive baseline
+
+
+def render_config(engine_ref: str, model_name: str = MODEL_NAME, run: ModelParameters = ModelParameters()) -> str:
+    """config.pbtxt: max_batch_size 0 (the model batches concurrent requests itself), decoupled so a
+    request can stream."""
     inputs = ",\n".join(tensor_block(t, optional=True) for t in INPUTS)
     outputs = ",\n".join(tensor_block(t, optional=False) for t in OUTPUTS)
-    parameters = {"engine_dir": engine_ref, "backend": backend, "verify_checksums": "false"}
+    parameters = {"engine_dir": engine_ref, **asdict(run), "verify_checksums": "false"}
     params = "\n".join(f'parameters {{\n  key: "{k}"\n  value: {{ string_value: "{v}" }}\n}}'
                        for k, v in parameters.items())
-    return (f'name: "{MODEL_NAME}"\nbackend: "python"\nmax_batch_size: 0\n'
+    return (f'name: "{model_name}"\nbackend: "python"\nmax_batch_size: 0\n'
             f"model_transaction_policy {{\n  decoupled: true\n}}\n"
             f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n"
             f"instance_group [\n  {{\n    count: 1\n    kind: KIND_MODEL\n  }}\n]\n{params}\n")
@@ -57,10 +68,10 @@ def render_model_yaml(options: LlmApiOptions, engine_root: Path | None) -> str:
 
 
 def write_model_repository(repo: Path, engine_ref: str, options: LlmApiOptions, engine_root: Path | None,
-                           backend: str = "auto") -> Path:
-    version = repo / MODEL_NAME / "1"
+                           model_name: str = MODEL_NAME, run: ModelParameters = ModelParameters()) -> Path:
+    version = repo / model_name / "1"
     version.mkdir(parents=True)
-    (repo / MODEL_NAME / "config.pbtxt").write_text(render_config(engine_ref, backend))
+    (repo / model_name / "config.pbtxt").write_text(render_config(engine_ref, model_name, run))
     shutil.copyfile(MODEL_SOURCE, version / "model.py")
     (version / "model.yaml").write_text(render_model_yaml(options, engine_root))
     return repo

@@ -1,77 +1,33 @@
-"""What the Triton model does with one request, without Triton: the thin request adapter.
+"""What the Triton model does with requests, without Triton: the request adapter and batch runner.
 
 `model.py` only turns Triton tensors into a dict of numpy arrays and `emit` calls into Triton
-responses; everything else (parsing, defaults, streaming deltas, acceptance statistics) is here
-and unit-tested without a server. The tensor names follow Triton's LLM-API model
-(`triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt`): `text_input`, `streaming`,
-`sampling_param_*` in; `text_output` and the speculative-decoding statistics out.
+responses; parsing (`llmapi.py`), batching (`scheduler.py`) and everything here (streaming deltas,
+per-request limits and stop strings, acceptance statistics) is unit-tested without a server.
+
+Requests batched together run as one `generate` call with the largest max_tokens among them; each
+request's own limit, stop strings and cancellation are applied here as its tokens arrive, and a
+request that is done gets its final response at once and leaves the batch at the next step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
 from pathlib import Path
 
 import numpy as np
 
 from ..checkpoints.gpt_oss import read_target_config, stop_token_ids
 from ..errors import InputError
-from ..runtime.interface import Runtime
-from ..runtime.sampling import SamplingParams
+from ..runtime.interface import Runtime, check_request
 from ..runtime.stats import RequestStats
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    data_type: str  # Triton TYPE_* name
-    dims: tuple[int, ...]
-    optional: bool = True
-
-
-INPUTS = (
-    TensorSpec("text_input", "TYPE_STRING", (1,)),
-    TensorSpec("input_ids", "TYPE_INT32", (-1,)),
-    TensorSpec("streaming", "TYPE_BOOL", (1,)),
-    TensorSpec("sampling_param_max_tokens", "TYPE_INT32", (1,)),
-    TensorSpec("sampling_param_temperature", "TYPE_FP32", (1,)),
-    TensorSpec("sampling_param_top_p", "TYPE_FP32", (1,)),
-    TensorSpec("sampling_param_top_k", "TYPE_INT32", (1,)),
-    TensorSpec("sampling_param_seed", "TYPE_UINT64", (1,)),
-)
-OUTPUTS = (
-    TensorSpec("text_output", "TYPE_STRING", (1,)),
-    TensorSpec("output_ids", "TYPE_INT32", (-1,)),
-    TensorSpec("finish_reason", "TYPE_STRING", (1,)),
-    TensorSpec("acceptance_rate", "TYPE_FP32", (1,)),
-    TensorSpec("acceptance_length", "TYPE_FP32", (1,)),
-    TensorSpec("total_accepted_draft_tokens", "TYPE_INT32", (1,)),
-    TensorSpec("total_draft_tokens", "TYPE_INT32", (1,)),
-)
-INPUT_NAMES = tuple(t.name for t in INPUTS)
-DEFAULT_MAX_TOKENS = 256
+from .llmapi import RequestSpec, parse_request
 
 Outputs = dict[str, np.ndarray]
 Emit = Callable[[Outputs, bool], None]  # (output tensors, final)
-
-
-def scalar(inputs: Mapping[str, np.ndarray], name: str, kind: type, default):
-    """The single value of an optional input as `kind` (UTF-8 text for str); anything else is an
-    InputError naming the tensor, so one malformed request never takes the model down."""
-    value = inputs.get(name)
-    if value is None or value.size == 0:
-        return default
-    if value.size != 1:
-        raise InputError(f"expected one value, got {value.size}.", field=name)
-    item = value.reshape(-1)[0]
-    try:
-        if isinstance(item, bytes) != (kind is str):
-            raise TypeError
-        return item.decode("utf-8") if kind is str else kind(item)
-    except (UnicodeDecodeError, ValueError, OverflowError, TypeError):
-        expected = {str: "UTF-8 text", int: "an integer", float: "a number", bool: "a boolean"}[kind]
-        raise InputError(f"expected {expected}, got {item!r}.", field=name) from None
+Fail = Callable[[str, bool], None]  # (message, cancelled)
 
 
 def acceptance(stats: RequestStats) -> tuple[int, int]:
@@ -80,84 +36,220 @@ def acceptance(stats: RequestStats) -> tuple[int, int]:
     return accepted, stats.steps * (stats.block_size - 1)
 
 
-class DFlashService:
-    """Runs requests on any `Runtime`; text needs the engine's tokenizer, token ids never do."""
+def text_array(text: str) -> np.ndarray:
+    return np.array([text.encode()], dtype=object)
 
-    def __init__(self, runtime: Runtime, tokenizer, stop_ids: tuple[int, ...]):
+
+@dataclass
+class Job:
+    """A parsed request on its way through the scheduler, with the way back to its client."""
+
+    spec: RequestSpec
+    prompt: list[int]
+    emit: Emit
+    fail: Fail
+    is_cancelled: Callable[[], bool] = lambda: False
+    request_id: str = ""
+    arrival_ns: int = field(default_factory=time.time_ns)
+    cancelled: bool = False  # set by a `stop` request naming this request's id, or a failed send
+    checked_at: float = 0.0
+    CHECK_EVERY_S: ClassVar[float] = 0.05  # asking the client is a round trip to the server
+
+    def gone(self, every_s: float | None = None) -> bool:
+        """Cancelled here or by the client (asked at most every CHECK_EVERY_S)."""
+        now = time.monotonic()
+        if not self.cancelled and now - self.checked_at >= (self.CHECK_EVERY_S if every_s is None else every_s):
+            self.checked_at = now
+            self.cancelled = bool(self.is_cancelled())
+        return self.cancelled
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing characters of streamed text to keep back: an incomplete UTF-8 sequence,
+    or the start of a stop string that the next tokens may complete."""
+    if text.endswith("\ufffd"):
+        return len(text) - len(text.rstrip("\ufffd"))
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+class RequestStream:
+    """One request's tokens as they are committed: its own max_tokens, stop tokens and strings,
+    streaming deltas, and its final response (with statistics counted from the steps it saw)."""
+
+    def __init__(self, job: Job, decode: Callable[[list[int]], str], stop_ids: frozenset[int], block_size: int,
+                 scheduled_ns: int):
+        self.job, self.decode, self.stop_ids = job, decode, stop_ids
+        self.stats = RequestStats(block_size)
+        self.tokens: list[int] = []
+        self.finish: str | None = None
+        self.stop_reason = "None"  # as upstream's str(stop_reason) when nothing stopped it
+        self.cut: int | None = None  # text length where a stop string begins
+        self.sent_chars, self.sent_ids = 0, 0
+        self.times = {"arrival_time_ns": job.arrival_ns, "first_scheduled_time_ns": scheduled_ns}
+        spec = job.spec
+        self.echo = "" if spec.exclude_input else (spec.prompt_text if spec.prompt_text is not None
+                                                    else decode(job.prompt))
+        self.echo_ids = [] if spec.exclude_input else list(job.prompt)
+
+    @property
+    def done(self) -> bool:
+        """Finished here, cancelled by a `stop` request, or cancelled by the client."""
+        return self.finish is not None or self.job.gone()
+
+    def text(self) -> str:
+        text = self.decode(self.tokens)
+        return self.echo + (text if self.cut is None else text[: self.cut])
+
+    def add(self, tokens: list[int]) -> None:
+        if self.done:
+            return
+        now = time.time_ns()
+        self.times.setdefault("first_token_time_ns", now)
+        self.times["last_token_time_ns"] = now
+        if self.tokens:  # every call after the prefill token is one verify step
+            self.stats.record_step(min(len(tokens), self.stats.block_size) - 1)
+        limit, stops = self.job.spec.params.max_tokens, self.job.spec.stop_strings
+        for token in tokens:
+            self.tokens.append(token)
+            if token in self.stop_ids:
+                self.finish, self.stop_reason = "stop", str(token)
+            elif stops and self.match_stop_string():
+                self.finish = "stop"
+            elif len(self.tokens) >= limit:
+                self.finish = "length"
+            if self.finish:
+                break
+        if self.finish is not None:
+            self.send_final()
+        elif self.job.spec.streaming:
+            text = self.text()
+            self.send_delta(text[: len(text) - held_back(text, stops)], final=False)
+
+    def match_stop_string(self) -> bool:
+        text = self.decode(self.tokens)
+        hits = [(text.find(s), s) for s in self.job.spec.stop_strings if s in text]
+        if hits:
+            self.cut, self.stop_reason = min(hits)
+        return bool(hits)
+
+    def send_delta(self, text: str, final: bool, extra: Outputs | None = None) -> None:
+        ids = self.echo_ids + self.tokens
+        outputs = {"text_output": text_array(text[self.sent_chars:]),
+                   "output_ids": np.array(ids[self.sent_ids:], dtype=np.int32), **(extra or {})}
+        self.sent_chars, self.sent_ids = len(text), len(ids)
+        try:
+            self.job.emit(outputs, final)
+        except Exception:  # noqa: BLE001 -- the client is gone: stop generating for it
+            self.job.cancelled = True
+
+    def send_final(self) -> None:
+        accepted, drafted = acceptance(self.stats)
+        final: Outputs = {
+            "finish_reason": text_array(self.finish),
+            "acceptance_rate": np.array([accepted / drafted if drafted else 0.0], dtype=np.float32),
+            "acceptance_length": np.array([self.stats.acceptance_length], dtype=np.float32),
+            "total_accepted_draft_tokens": np.array([accepted], dtype=np.int32),
+            "total_draft_tokens": np.array([drafted], dtype=np.int32),
+        }
+        if self.job.spec.stop_reason:
+            final["stop_reason"] = text_array(self.stop_reason)
+        if self.job.spec.perf_metrics:
+            final.update({name: np.array([t], dtype=np.int64) for name, t in self.times.items()})
+        self.send_delta(self.text(), final=True, extra=final)
+
+    def end(self, runtime_finish: str) -> None:
+        """The batch is over: a request the runtime ended (cancelled, interrupted) gets its answer."""
+        if self.finish is not None:
+            return
+        if self.job.gone(every_s=0):
+            self.job.fail("request cancelled", True)
+        else:
+            self.finish = runtime_finish
+            self.send_final()
+
+
+class DFlashService:
+    """Runs batches of requests on any `Runtime`; text needs the engine's tokenizer, ids never do."""
+
+    def __init__(self, runtime: Runtime, tokenizer, stop_ids: tuple[int, ...], block_size: int = 1,
+                 vocab_size: int | None = None, max_positions: int | None = None, max_batch_size: int = 8):
         self.runtime, self.tokenizer, self.stop_ids = runtime, tokenizer, stop_ids
+        self.block_size, self.vocab_size, self.max_positions = block_size, vocab_size, max_positions
+        self.max_batch_size = max_batch_size
 
     @classmethod
-    def from_engine(cls, engine_dir: str | Path, backend: str = "auto",
-                    verify_checksums: bool = False) -> "DFlashService":
+    def from_engine(cls, engine_dir: str | Path, backend: str = "auto", verify_checksums: bool = False,
+                    device: str = "auto", speculation: str = "dflash") -> "DFlashService":
+        """speculation "off" serves the target alone (the autoregressive baseline, reference runtime)."""
         from ..cli.common import resolve_device, resolve_dtype
-        from ..engine.load import engine_runtime
+        from ..engine.load import engine_runtime, engine_speculation, reference_runtime
         from ..engine.manifest import open_engine
+        from ..runtime.interface import choose_backend
 
         engine = open_engine(engine_dir, verify_checksums)
-        device = resolve_device("auto")
-        runtime, _ = engine_runtime(engine, backend, device, resolve_dtype("auto", device))
+        torch_device = resolve_device(device)
+        dtype = resolve_dtype("auto", torch_device)
+        if speculation == "off":
+            if choose_backend(backend)[0] != "reference":
+                raise InputError("the autoregressive baseline runs on the reference backend.", field="backend")
+            runtime = reference_runtime(engine, torch_device, dtype, with_drafter=False)
+        else:
+            runtime, _ = engine_runtime(engine, backend, torch_device, dtype)
         tokenizer = None
         if (engine.target_dir / "tokenizer.json").is_file():
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(engine.target_dir)
-        stops = stop_token_ids(engine.target_dir, read_target_config(engine.target_dir))
-        return cls(runtime, tokenizer, tuple(stops))
+        config = read_target_config(engine.target_dir)
+        options = engine.llm_api_options()
+        positions = min(config.get("max_position_embeddings") or options.max_seq_len, options.max_seq_len)
+        block, _ = engine_speculation(engine)
+        return cls(runtime, tokenizer, tuple(stop_token_ids(engine.target_dir, config)),
+                   (block or 1) if speculation != "off" else 1,
+                   config["vocab_size"], positions, options.max_batch_size or 8)
 
-    def prompt_ids(self, inputs: Mapping[str, np.ndarray]) -> list[int]:
-        ids = inputs.get("input_ids")
-        if ids is not None and ids.size:
-            if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-                raise InputError(f"expected a 1-D array of integer token ids, got {ids.dtype} {ids.shape}.",
-                                 field="input_ids")
-            return [int(t) for t in ids]
-        text = scalar(inputs, "text_input", str, None)
-        if text is None:
-            raise InputError("give 'text_input' or 'input_ids'.", field="text_input")
+    def prompt_ids(self, spec: RequestSpec) -> list[int]:
+        if spec.prompt_ids is not None:
+            return spec.prompt_ids
         if self.tokenizer is None:
             raise InputError("the engine's target has no tokenizer.json; send 'input_ids' instead.",
                              field="text_input")
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(spec.prompt_text)
 
-    def params(self, inputs: Mapping[str, np.ndarray]) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=scalar(inputs, "sampling_param_max_tokens", int, DEFAULT_MAX_TOKENS),
-            temperature=scalar(inputs, "sampling_param_temperature", float, 0.0),
-            top_p=scalar(inputs, "sampling_param_top_p", float, 1.0),
-            top_k=scalar(inputs, "sampling_param_top_k", int, 0),
-            seed=scalar(inputs, "sampling_param_seed", int, 0),
-            stop_token_ids=self.stop_ids,
-        )
+    def prepare(self, inputs) -> tuple[RequestSpec, list[int]]:
+        """Parse and check one request against the engine's limits, before it joins a batch."""
+        spec = parse_request(inputs)
+        if spec.stop_request:
+            return spec, []
+        prompt = self.prompt_ids(spec)
+        try:
+            check_request([prompt], 1, self.vocab_size, spec.params.max_tokens, self.max_positions)
+        except InputError as exc:
+            field_name = {"prompt": "input_ids" if spec.prompt_ids is not None else "text_input",
+                          "max_tokens": "sampling_param_max_tokens"}.get(exc.field, exc.field)
+            raise InputError(str(exc).split(": ", 1)[1].replace("prompt 0", "the prompt"), field=field_name) from None
+        return spec, prompt
 
     def text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
-    def handle(self, inputs: Mapping[str, np.ndarray], emit: Emit) -> None:
-        """Generate for one request. Streaming emits each committed group of tokens (text delta and
-        ids) as it is verified, then a final response with the statistics; otherwise one response."""
-        prompt, params = self.prompt_ids(inputs), self.params(inputs)
-        streaming = scalar(inputs, "streaming", bool, False)
-        emitted: list[int] = []
-        sent_text = ""
-
-        def on_tokens(_request: int, tokens: list[int]) -> None:
-            nonlocal sent_text
-            emitted.extend(tokens)
-            full = self.text(emitted)
-            emit({"text_output": np.array([full[len(sent_text):].encode()], dtype=object),
-                  "output_ids": np.array(tokens, dtype=np.int32)}, False)
-            sent_text = full
-
-        [result] = self.runtime.generate([prompt], params, 1, on_tokens if streaming else None)
-        accepted, drafted = acceptance(result.stats)
-        final: Outputs = {
-            "finish_reason": np.array([result.finish_reason.encode()], dtype=object),
-            "acceptance_rate": np.array([accepted / drafted if drafted else 0.0], dtype=np.float32),
-            "acceptance_length": np.array([result.stats.acceptance_length], dtype=np.float32),
-            "total_accepted_draft_tokens": np.array([accepted], dtype=np.int32),
-            "total_draft_tokens": np.array([drafted], dtype=np.int32),
-        }
-        if not streaming:
-            final["text_output"] = np.array([self.text(result.output_token_ids).encode()], dtype=object)
-            final["output_ids"] = np.array(result.output_token_ids, dtype=np.int32)
-        emit(final, True)
+    def run_batch(self, jobs: list[Job]) -> None:
+        """Generate for jobs that share sampling parameters (all greedy, or one sampled request)."""
+        scheduled = time.time_ns()
+        streams = [RequestStream(job, self.text, frozenset(self.stop_ids), self.block_size, scheduled)
+                   for job in jobs]
+        params = replace(jobs[0].spec.params, max_tokens=max(job.spec.params.max_tokens for job in jobs),
+                         stop_token_ids=self.stop_ids)
+        # the reference runtime drops a finished or cancelled request from the batch at the next step
+        hooks = {"cancelled": lambda i: streams[i].done} if self.runtime.backend == "reference" else {}
+        try:
+            results = self.runtime.generate([job.prompt for job in jobs], params, len(jobs),
+                                            lambda i, tokens: streams[i].add(tokens), **hooks)
+        except Exception as exc:  # noqa: BLE001 -- every request of the batch still gets an answer
+            message = str(exc) if isinstance(exc, InputError) else f"internal error: {type(exc).__name__}: {exc}"
+            for stream in streams:
+                if stream.finish is None:
+                    stream.job.fail(message, False)
+            return
+        for stream, result in zip(streams, results):
+            stream.end(result.finish_reason)

@@ -1,0 +1,82 @@
+"""Batching concurrent requests: one worker thread, a first-come queue, batch boundaries.
+
+Triton calls the decoupled model's `execute` as requests arrive; each becomes a Job in the queue
+and `execute` returns at once. The worker takes everything compatible with the oldest waiting job
+(up to the engine's max batch size) and runs it as one batch; a request that arrives meanwhile
+waits for the next batch boundary, which comes when the running batch finishes. Greedy requests
+batch together; a sampled request runs on its own, so its seed reproduces `dflash-run` exactly
+(the reference runtime draws one random stream per batch). The oldest job always leads the next
+batch, so nothing waits longer than the batches ahead of it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from .service import Job
+
+
+def take_batch(queue: deque[Job], most: int) -> list[Job]:
+    """The oldest job plus, when it is greedy, the next greedy jobs (in arrival order) up to `most`."""
+    head = queue.popleft()
+    batch = [head]
+    if head.spec.params.greedy:
+        for job in list(queue):
+            if len(batch) == most:
+                break
+            if job.spec.params.greedy:
+                queue.remove(job)
+                batch.append(job)
+    return batch
+
+
+class BatchScheduler:
+    def __init__(self, run_batch: Callable[[list[Job]], None], max_batch_size: int):
+        self.run_batch, self.max_batch_size = run_batch, max_batch_size
+        self.queue: deque[Job] = deque()
+        self.running: list[Job] = []
+        self.wake = threading.Condition()
+        self.closing = False
+        self.worker = threading.Thread(target=self.loop, name="dflash-batches", daemon=True)
+        self.worker.start()
+
+    def submit(self, job: Job) -> None:
+        with self.wake:
+            self.queue.append(job)
+            self.wake.notify()
+
+    def cancel(self, request_id: str) -> int:
+        """Upstream's `stop` request: cancel every waiting or running job with this request id."""
+        with self.wake:
+            jobs = [job for job in (*self.queue, *self.running) if request_id and job.request_id == request_id]
+            for job in jobs:
+                job.cancelled = True
+            return len(jobs)
+
+    def loop(self) -> None:
+        while True:
+            with self.wake:
+                while not self.queue and not self.closing:
+                    self.wake.wait()
+                if self.closing:
+                    break
+                self.running = take_batch(self.queue, self.max_batch_size)
+            gone = [job.gone(every_s=0) for job in self.running]
+            waiting = [job for job, cancelled in zip(self.running, gone) if not cancelled]
+            for job, cancelled in zip(self.running, gone):
+                if cancelled:
+                    job.fail("request cancelled", True)
+            if waiting:
+                self.run_batch(waiting)
+            with self.wake:
+                self.running = []
+        for job in self.queue:  # the model is unloading: nothing waits forever
+            job.fail("the model is shutting down", False)
+
+    def close(self, timeout_s: float = 10) -> None:
+        with self.wake:
+            self.closing = True
+            self.wake.notify()
+        self.worker.join(timeout_s)
