@@ -1,12 +1,13 @@
 """dflash-bench --protocol triton: the KServe generate_stream client against a TEST DOUBLE of the
-protocol (tests/bench_doubles.py), always; and against a real Triton server started by
-`dflash-serve` when DFLASH_BENCH_TRITON_URL names one (the CI's server stage sets it; skipped
-otherwise)."""
+protocol (tests/bench_doubles.py), always; and against a real Triton server: `dflash-serve` on the
+embedded engine in the serve venv (.ci/run's serve stage, where DFLASH_REQUIRE_SERVER=1 makes a
+missing piece a failure), or the server DFLASH_BENCH_TRITON_URL names; skipped otherwise."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 from bench_doubles import KServeGenerateStreamDouble
@@ -56,10 +57,32 @@ def test_a_model_the_triton_server_lacks_exits_2(tmp_path):
     assert result.exit_code == 2 and "no model 'other'; it serves dflash" in result.output
 
 
-@pytest.mark.skipif(not REAL_SERVER, reason="no Triton server: set DFLASH_BENCH_TRITON_URL (the CI server stage does)")
-def test_bench_against_the_real_triton_server(tmp_path):
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory):
+    """The URL of a real Triton server: DFLASH_BENCH_TRITON_URL, or dflash-serve started here on
+    free 127.0.0.1 ports (test_triton_server's Server: readiness, clean SIGTERM)."""
+    if REAL_SERVER:
+        yield REAL_SERVER
+        return
+    from test_triton_server import Server, bin_path, needs_server
+
+    needs_server()
+    from trtllm_dflash.embedded import pair_paths
+
+    target, drafter = pair_paths()
+    engine = tmp_path_factory.mktemp("bench_serve") / "engine"
+    subprocess.run([bin_path("dflash-build"), "--target", str(target), "--drafter", str(drafter), "--output",
+                    str(engine), "--quiet"], check=True, timeout=300)
+    server = Server(engine)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def test_bench_against_the_real_triton_server(real_server, tmp_path):
     out = tmp_path / "out"
-    result = CliRunner().invoke(main, ["--endpoint", REAL_SERVER, "--protocol", "triton", "--model", REAL_MODEL,
+    result = CliRunner().invoke(main, ["--endpoint", real_server, "--protocol", "triton", "--model", REAL_MODEL,
                                        "--max-tokens", "8", "--concurrency", "1,4", "--requests", "4", "--repeats",
                                        "2", "--no-plot", "--output-dir", str(out)])
     assert result.exit_code == 0, result.output
@@ -68,6 +91,9 @@ def test_bench_against_the_real_triton_server(tmp_path):
     for p in points:
         assert p.failed == 0 and p.requests == 4 and p.tau is not None and p.tau >= 1.0
         assert 0 < p.latency["ttft_s"]["p50"] <= p.latency["e2e_s"]["p50"]
-    result = CliRunner().invoke(main, ["--endpoint", REAL_SERVER, "--model", "no-such-model", "--no-plot",
+    result = CliRunner().invoke(main, ["--endpoint", real_server, "--model", "no-such-model", "--no-plot",
                                        "--output-dir", str(tmp_path / "bad")])
     assert result.exit_code == 2 and "no model 'no-such-model'" in result.output
+    result = CliRunner().invoke(main, ["--endpoint", real_server, "--protocol", "openai", "--no-plot",
+                                       "--output-dir", str(tmp_path / "bad")])
+    assert result.exit_code == 2 and "(--protocol triton)" in result.output
