@@ -70,6 +70,8 @@ def plot_pareto(points: Sequence[BenchPoint], path: Path, title: str) -> Path:
 def plot_latency_cdf(points: Sequence[BenchPoint], path: Path, title: str) -> Path:
     """CDFs of TTFT, TPOT and end-to-end latency, one line per point (colour: method, shade: load)."""
     plt = require_matplotlib()
+    from matplotlib.ticker import NullFormatter
+
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for index, (label, line) in enumerate(curves(points)):
@@ -84,6 +86,7 @@ def plot_latency_cdf(points: Sequence[BenchPoint], path: Path, title: str) -> Pa
     for ax, name in zip(axes, ("time to first token (ms)", "time per output token (ms)", "end-to-end latency (ms)")):
         ax.set_xlabel(name)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks collide on a narrow range
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("fraction of requests")
     handles, labels = axes[2].get_legend_handles_labels()
