@@ -6,7 +6,8 @@ protocols dflash-bench's clients read, so the clients are tested without a model
 - KServeGenerateStreamDouble: GET /v2/health/ready, GET /v2/models/<name>, POST
   /v2/repository/index, POST /v2/models/<name>/generate_stream answering one SSE event per group
   of `output_ids` and a final event with our model's acceptance statistics.
-Each streams `max_tokens` tokens, `tokens_per_chunk` at a time, `delay_s` apart; after
+Each streams `max_tokens` tokens, `tokens_per_chunk` at a time, `delay_s` apart (the OpenAI double
+can serve more models, each at its own pace: `extra_models`); after
 `fail_after` requests every request is refused (HTTP 500), to test a server dying mid-sweep.
 Bound to 127.0.0.1 on a free port; `with double:` starts and stops it.
 """
@@ -21,8 +22,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class StreamingDouble:
     def __init__(self, model: str = "dflash", delay_s: float = 0.002, tokens_per_chunk: int = 1,
-                 fail_after: int | None = None, acceptance_length: float = 2.5):
+                 fail_after: int | None = None, acceptance_length: float = 2.5,
+                 extra_models: dict[str, float] | None = None):
         self.model, self.delay_s, self.tokens_per_chunk = model, delay_s, tokens_per_chunk
+        self.delays = {model: delay_s, **(extra_models or {})}  # model name -> seconds per chunk (OpenAI double)
         self.fail_after, self.acceptance_length = fail_after, acceptance_length
         self.requests: list[dict] = []
         self.lock = threading.Lock()
@@ -77,11 +80,11 @@ class StreamingDouble:
             handler.wfile.flush()
         handler.close_connection = True
 
-    def chunks(self, max_tokens: int):
+    def chunks(self, max_tokens: int, delay_s: float | None = None):
         """Groups of token ids, `delay_s` apart (the first after one delay: a 'prefill')."""
         sent = 0
         while sent < max_tokens:
-            time.sleep(self.delay_s)
+            time.sleep(self.delay_s if delay_s is None else delay_s)
             count = min(self.tokens_per_chunk, max_tokens - sent)
             yield list(range(sent + 10, sent + 10 + count))
             sent += count
@@ -90,9 +93,10 @@ class StreamingDouble:
 class OpenAICompletionsDouble(StreamingDouble):
     def route(self, handler, method, body):
         if method == "GET" and handler.path == "/v1/models":
-            return self.reply_json(handler, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
+            return self.reply_json(handler, 200, {"object": "list", "data": [{"id": name, "object": "model"}
+                                                                             for name in self.delays]})
         if method == "POST" and handler.path == "/v1/completions":
-            if body.get("model") != self.model:
+            if body.get("model") not in self.delays:
                 return self.reply_json(handler, 404, {"error": {"message": f"model {body.get('model')} not found"}})
             if not self.admit(body):
                 return self.reply_json(handler, 500, {"error": {"message": "double: failing on purpose"}})
@@ -101,9 +105,9 @@ class OpenAICompletionsDouble(StreamingDouble):
 
     def events(self, body):
         total = 0
-        for ids in self.chunks(body["max_tokens"]):
+        for ids in self.chunks(body["max_tokens"], self.delays[body["model"]]):
             total += len(ids)
-            yield json.dumps({"id": "cmpl-double", "object": "text_completion", "model": self.model,
+            yield json.dumps({"id": "cmpl-double", "object": "text_completion", "model": body["model"],
                               "choices": [{"index": 0, "text": "x" * len(ids), "finish_reason": None}]})
         if body.get("stream_options", {}).get("include_usage"):
             yield json.dumps({"id": "cmpl-double", "object": "text_completion", "choices": [],

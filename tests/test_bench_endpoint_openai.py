@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from trtllm_dflash.bench.endpoints import OpenAIEndpoint
 from trtllm_dflash.bench.points import BenchPoint
+from trtllm_dflash.bench.schedule import schedule_from_bench
 from trtllm_dflash.cli.bench import main
 
 
@@ -52,6 +53,19 @@ def test_sweep_against_the_double_reports_serving_metrics_and_not_reported_tau(t
     assert "n/r" in result.output and "not fitted" in result.output
     assert len(double.requests) == 1 + 2 * 2 * 4  # warm-up, then 2 levels x 2 repeats x 4 requests
     assert "AR (draft length 0)" in document["schedule"]["reason"]
+
+
+def test_a_schedule_measured_on_a_server_is_what_dflash_build_reads(tmp_path):
+    # The double's 'dflash' streams 4x faster than its 'ar': speculation wins at every concurrency.
+    with OpenAICompletionsDouble(model="dflash", delay_s=0.001, extra_models={"ar": 0.004}) as double:
+        result = bench(double.url, tmp_path, "--concurrency", "1,2", "--model", "ar=0", "--model", "dflash=3",
+                       "--schedule-source", "measured", "--repeats", "3", "--server-device", "NVIDIA B200")
+    assert result.exit_code == 0, result.output
+    document = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert document["measured_on"]["device"] == "NVIDIA B200" and document["measured_on"]["runner"] == "endpoint"
+    assert document["schedule"]["recommended"], document["schedule"]["reason"]
+    assert schedule_from_bench(tmp_path / "out" / "bench.json") == {2: 3}  # K=3 up to batch 2, off above
+    assert document["headline"]["interactivity_gain_at_smallest_batch"]["ratio"] > 2
 
 
 def free_port() -> int:
