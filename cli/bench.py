@@ -130,9 +130,8 @@ class ProgressReport:
                    f"TTFT p50 {ttft['p50'] * 1e3:.1f} ms" if ttft else "no request completed", err=True)
 
 
-def in_process_runners(engine_dir, target_dir, drafter_dir, draft_lengths, prompts, max_tokens, max_batch, device,
-                       dtype, threads):
-    """(runners, token-id prompts, description) for the reference runtime."""
+def in_process_runners(target_dir, drafter_dir, draft_lengths, prompts, max_tokens, max_batch, device, dtype, threads):
+    """(runners, token-id prompts, draft lengths, description) for the reference runtime."""
     import torch
 
     from trtllm_dflash.bench.sweep import InProcessRunner
@@ -145,7 +144,6 @@ def in_process_runners(engine_dir, target_dir, drafter_dir, draft_lengths, promp
     from trtllm_dflash.runtime.proposers import DFlashProposer
     from trtllm_dflash.runtime.reference import ReferenceRuntime
 
-    target_dir, drafter_dir = resolve_bench_pair(engine_dir, target_dir, drafter_dir)
     pair = validate_pair(target_dir, drafter_dir)
     most = pair.drafter_config.block_size - 1
     lengths = (parse_ints(draft_lengths, "--draft-lengths", 1) if draft_lengths else
@@ -177,15 +175,15 @@ def endpoint_runners(url, protocol, models, server_device, max_tokens, timeout):
     from trtllm_dflash.bench.endpoints import make_endpoint
     from trtllm_dflash.bench.sweep import EndpointRunner
 
-    runners = []
-    for name, k in parse_models(models or ("dflash",)):
+    runners, named = [], parse_models(models or ("dflash",))
+    for name, k in named:
         endpoint = make_endpoint(protocol, url, name, max_tokens, timeout)
         endpoint.check()
         runners.append(EndpointRunner("ar" if k == 0 else "dflash", k, endpoint))
     device = server_device or "not reported (pass --server-device)"
     info = {"title": f"{protocol} server {url} ({device}), {max_tokens} tokens/request", "machine": device,
             "device": device, "measured_on": {"runner": "endpoint", "device": device, "url": url, "protocol": protocol,
-                                              "models": {name: k for name, k in parse_models(models or ("dflash",))}}}
+                                              "models": dict(named)}}
     return runners, info
 
 
@@ -269,8 +267,8 @@ def main(engine_dir, target_dir, drafter_dir, endpoint, protocol, models, server
         resolved = resolve_bench_pair(engine_dir, target_dir, drafter_dir)
         vocab = read_target_config(resolved[0])["vocab_size"] if synthetic_input_len else None
         prompts, prompt_source = load_prompts(prompts_file, sharegpt, synthetic_input_len, num_prompts, vocab, seed)
-        runners, prompts, lengths, info = in_process_runners(None, *resolved, draft_lengths, prompts, max_tokens,
-                                                             max_batch, device, dtype, threads)
+        runners, prompts, lengths, info = in_process_runners(*resolved, draft_lengths, prompts, max_tokens, max_batch,
+                                                             device, dtype, threads)
 
     document = {"schema": SCHEMA, "title": info.pop("title"),
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
