@@ -166,7 +166,7 @@ def summary_lines(document: dict) -> list[str]:
             f"{inter['load']} (K={inter['draft_len']})" if inter else "n/a"),
         "run-to-run spread of tok/s: " + (f"median {spread['median']:.1%}, max {spread['max']:.1%}"
                                           if spread else "unknown (one repeat)"),
-        "cost model: " + ("not fitted (no in-process step times)" if cost is None else
+        "cost model: " + ("not fitted (it needs an in-process concurrency sweep: step times)" if cost is None else
                           f"held-out error {error}" + (f" (fit on c={holdout['fit_concurrency']}, predicted "
                                                        f"c={holdout['heldout_concurrency']})" if holdout else "")),
     ]
