@@ -1,13 +1,17 @@
-"""Reference runtime: DFlash vs n-gram (prompt lookup) vs autoregressive, same prompts, one process.
+"""Reference runtime: DFlash vs n-gram (prompt lookup) vs DFlash + suffix automaton (dflash-sa)
+vs autoregressive, same prompts, one process.
 
     python benchmarks/bench_reference_runtime.py [--target DIR --drafter DIR] [--prompts-file FILE]
                                                  [--batch-size N] [--max-tokens N] [--repeats N]
+                                                 [--threads N] [--sa-thresholds 2,3,4]
 
 Pair: --target/--drafter, else the embedded default pair with its held-out prompts, else (with
 --random) a random pair at the embedded scale, where acceptance is meaningless and the numbers
-show the loop's overhead only. The three runs are interleaved per repeat and speed-ups are the
-median of per-repeat ratios, so machine noise largely cancels. Greedy outputs are also checked
-for losslessness against the autoregressive run.
+show the loop's overhead only. The runs are interleaved per batch of prompts (every method on a
+batch before the next, in rotating order) and speed-ups are the median of per-repeat ratios
+(min..max beside it), so machine noise largely cancels. tau is pooled:
+committed tokens over verify steps of all prompts. Greedy outputs are also checked for
+losslessness against the autoregressive run.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from trtllm_dflash.models.drafter import load_drafter
 from trtllm_dflash.models.random_pair import drafter_config_for, save_random_drafter, save_random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
-from trtllm_dflash.runtime.proposers import DFlashProposer, NGramProposer
+from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer, NGramProposer, SuffixDFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.runtime.stats import total_stats
@@ -53,6 +57,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--dflash-blocks", default="",
                         help="extra DFlash rows at these block sizes (comma-separated, e.g. 4,6)")
+    parser.add_argument("--sa-thresholds", default=str(DEFAULT_SA_THRESHOLD),
+                        help="dflash-sa rows at these suffix-match thresholds (comma-separated)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -84,32 +90,47 @@ def main() -> None:
                 "ngram": ReferenceRuntime(target, NGramProposer(num_drafts=block - 1))}
     for extra in (int(x) for x in args.dflash_blocks.split(",") if x):
         runtimes[f"dflash-b{extra}"] = ReferenceRuntime(target, DFlashProposer(drafter, target, block_size=extra))
+    for threshold in (int(x) for x in args.sa_thresholds.split(",") if x):
+        runtimes[f"dflash-sa{threshold}"] = ReferenceRuntime(
+            target, SuffixDFlashProposer(DFlashProposer(drafter, target), threshold))
     for runtime in runtimes.values():
         runtime.warm_up(prompts[0])
     rates: dict[str, list[float]] = {name: [] for name in runtimes}
-    summary: dict[str, tuple[float, float]] = {}
+    summary: dict[str, tuple[float, float, float]] = {}
     per_position: dict[str, list[float]] = {}
     outputs: dict[str, list[list[int]]] = {}
+    names = list(runtimes)
     for _ in range(args.repeats):
-        for name, runtime in runtimes.items():
-            runtime.step_times = {"draft": 0.0, "verify": 0.0}
-            results = runtime.generate(prompts, params, args.batch_size)
-            total = total_stats(results, args.batch_size)
+        results: dict[str, list] = {name: [] for name in runtimes}
+        times = {name: {"draft": 0.0, "verify": 0.0} for name in runtimes}
+        # every method on one batch of prompts before the next batch, in a rotating order: the runs
+        # compared are seconds apart, so load from other jobs hits them alike
+        for turn, first in enumerate(range(0, len(prompts), args.batch_size)):
+            for name in names[turn % len(names):] + names[: turn % len(names)]:
+                results[name] += runtimes[name].generate(prompts[first: first + args.batch_size], params,
+                                                         args.batch_size)
+                for part, seconds in runtimes[name].step_times.items():
+                    times[name][part] += seconds
+        for name in runtimes:
+            total = total_stats(results[name], args.batch_size)
             rates[name].append(total.decode_tokens_per_s)
-            times = runtime.step_times
-            summary[name] = (total.acceptance_length, times["draft"] / max(sum(times.values()), 1e-9))
+            summary[name] = (total.acceptance_length, times[name]["draft"] / max(sum(times[name].values()), 1e-9),
+                             total.suffix_steps / max(total.steps, 1))
             per_position[name] = total.per_position_acceptance
-            outputs[name] = [r.output_token_ids for r in results]
+            outputs[name] = [r.output_token_ids for r in results[name]]
 
     print(f"pair={label} device={args.device} threads={args.threads} prompts={len(prompts)} "
           f"batch={args.batch_size} max_tokens={args.max_tokens} block={block} repeats={args.repeats}")
-    print(f"{'method':<16}{'decode tok/s':>14}{'tau':>8}{'draft share':>13}{'speed-up':>10}{'lossless':>10}")
+    print(f"{'method':<16}{'decode tok/s':>14}{'tau':>8}{'draft share':>13}{'suffix steps':>14}"
+          f"{'speed-up':>10}{'min..max':>14}{'vs ngram':>10}{'lossless':>10}")
     for name in runtimes:
         ratios = [r / a for r, a in zip(rates[name], rates["autoregressive"])]
+        versus_ngram = statistics.median(r / n for r, n in zip(rates[name], rates["ngram"]))
         lossless = sum(o == a for o, a in zip(outputs[name], outputs["autoregressive"]))
-        tau, share = summary[name]
-        print(f"{name:<16}{statistics.median(rates[name]):>14.1f}{tau:>8.2f}{share:>13.0%}"
-              f"{statistics.median(ratios):>9.2f}x{lossless:>6}/{len(prompts)}")
+        tau, share, suffix = summary[name]
+        print(f"{name:<16}{statistics.median(rates[name]):>14.1f}{tau:>8.2f}{share:>13.0%}{suffix:>14.0%}"
+              f"{statistics.median(ratios):>9.2f}x{min(ratios):>7.2f}..{max(ratios):.2f}x"
+              f"{versus_ngram:>9.2f}x{lossless:>6}/{len(prompts)}")
     for name in runtimes:
         if name != "autoregressive":
             print(f"{name} per-position acceptance: " + " ".join(f"{x:.2f}" for x in per_position[name]))

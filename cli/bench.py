@@ -141,7 +141,8 @@ def in_process_runners(target_dir, drafter_dir, draft_lengths, prompts, max_toke
     from trtllm_dflash.models.target import GptOssTarget
     from trtllm_dflash.prompts import prompt_token_ids
     from trtllm_dflash.runtime.interface import check_request
-    from trtllm_dflash.runtime.proposers import DFlashProposer
+    from trtllm_dflash.bench.points import SUFFIX_HYBRID
+    from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer, SuffixDFlashProposer
     from trtllm_dflash.runtime.reference import ReferenceRuntime
 
     pair = validate_pair(target_dir, drafter_dir)
@@ -161,6 +162,9 @@ def in_process_runners(target_dir, drafter_dir, draft_lengths, prompts, max_toke
     runners = [InProcessRunner("ar", 0, ReferenceRuntime(target, None), max_tokens, max_batch)]
     runners += [InProcessRunner("dflash", k, ReferenceRuntime(target, DFlashProposer(drafter, target, k + 1)),
                                 max_tokens, max_batch) for k in lengths]
+    # dflash-sa (suffix-automaton drafts, else DFlash's) at the longest length, beside DFlash
+    hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target, lengths[-1] + 1), DEFAULT_SA_THRESHOLD)
+    runners.append(InProcessRunner(SUFFIX_HYBRID, lengths[-1], ReferenceRuntime(target, hybrid), max_tokens, max_batch))
     machine = machine_description(torch_device)
     info = {"title": f"{target_dir.name} + {drafter_dir.name} on {machine}, {max_tokens} tokens/request",
             "machine": machine, "device": str(torch_device),
@@ -180,10 +184,13 @@ def endpoint_runners(url, protocol, models, server_device, max_tokens, timeout):
         endpoint = make_endpoint(protocol, url, name, max_tokens, timeout)
         endpoint.check()
         runners.append(EndpointRunner("ar" if k == 0 else "dflash", k, endpoint))
-    device = server_device or "not reported (pass --server-device)"
-    info = {"title": f"{protocol} server {url} ({device}), {max_tokens} tokens/request", "machine": device,
-            "device": device, "measured_on": {"runner": "endpoint", "device": device, "url": url, "protocol": protocol,
-                                              "models": dict(named)}}
+    # machine/device as the in-process run records them (dflash-build --schedule-from checks them against
+    # the profile's GPU); null when not given, so the build says the file does not tell where it was measured.
+    device = None if not server_device else "cpu" if "cpu" in server_device.lower() else "cuda"
+    info = {"title": f"{protocol} server {url} ({server_device or 'device not given'}), {max_tokens} tokens/request",
+            "machine": server_device, "device": device,
+            "measured_on": {"runner": "endpoint", "device": server_device, "url": url, "protocol": protocol,
+                            "models": dict(named)}}
     return runners, info
 
 
@@ -196,7 +203,7 @@ def endpoint_runners(url, protocol, models, server_device, max_tokens, timeout):
               help="triton: KServe generate_stream; openai: streaming /v1/completions.")
 @click.option("--model", "models", multiple=True,
               help="Server model NAME[=DRAFT_LEN], repeatable (ar=0 is the baseline) [default: dflash].")
-@click.option("--server-device", help="What the server runs on (e.g. 'NVIDIA B200'), recorded for dflash-build.")
+@click.option("--server-device", help="What the server runs on ('NVIDIA B200', 'cpu'), recorded for dflash-build.")
 @click.option("--request-timeout", default=300.0, show_default=True, help="Seconds before a server request fails.")
 @click.option("--prompts-file", type=click.Path(path_type=Path),
               help="Text lines or JSONL ('prompt' or 'prompt_token_ids'); default: the embedded held-out prompts.")
@@ -227,7 +234,8 @@ def main(engine_dir, target_dir, drafter_dir, endpoint, protocol, models, server
          sharegpt, synthetic_input_len, num_prompts, vocab_size, concurrency, request_rate, requests, duration,
          draft_lengths, max_tokens, max_batch, repeats, threads, seed, schedule_source, output_dir, no_plot, device,
          dtype):
-    """Benchmark DFlash vs AR in-process (ENGINE_DIR, --target/--drafter, the embedded pair) or on --endpoint."""
+    """Benchmark DFlash (and dflash-sa) vs AR in-process (ENGINE_DIR, --target/--drafter, the embedded pair) or on
+    --endpoint."""
     from trtllm_dflash.bench.load import LoadShape, describe
     from trtllm_dflash.bench.points import CONCURRENCY, RATE
     from trtllm_dflash.bench.report import SCHEMA, analyse, print_summary, write_outputs

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import click
+import torch
 
 from trtllm_dflash.checkpoints.publish import check_output_path
 from trtllm_dflash.errors import InputError
@@ -81,7 +82,11 @@ class StreamPrinter:
             self.live += 1
 
 
-def json_record(prompt, result, tokenizer, baseline=None) -> dict:
+def json_record(prompt, runs, tokenizer, base_runs=None) -> dict:
+    """One prompt: outputs and counts of its first run; with a baseline, speeds over every repeat."""
+    from trtllm_dflash.runtime.report import speed_record
+
+    result = runs[0]
     stats = result.stats
     record = {
         "prompt": prompt if isinstance(prompt, str) else None,
@@ -92,33 +97,69 @@ def json_record(prompt, result, tokenizer, baseline=None) -> dict:
         "num_output_tokens": len(result.output_token_ids),
         **{k: v for k, v in stats.to_dict().items() if k != "num_output_tokens"},
     }
-    if baseline is not None:
-        base_rate = baseline.stats.decode_tokens_per_s
-        record["baseline_output_token_ids"] = baseline.output_token_ids
-        record["baseline_decode_tokens_per_s"] = base_rate
-        record["speedup"] = stats.decode_tokens_per_s / base_rate if base_rate else None
-        record["matches_baseline"] = baseline.output_token_ids == result.output_token_ids
+    if base_runs is not None:
+        record["baseline_output_token_ids"] = base_runs[0].output_token_ids
+        record.update(speed_record(runs, base_runs))
+        record["matches_baseline"] = base_runs[0].output_token_ids == result.output_token_ids
     return record
 
 
+def check_engine_seq_len(engine, prompt_ids: list[list[int]], max_tokens: int) -> None:
+    """TensorRT-LLM serves at most the engine's max_seq_len tokens per request (prompt + output);
+    the reference runtime keeps to it too, so a run means the same on both."""
+    limit = engine.llm_api_options().max_seq_len
+    longest = max(len(ids) for ids in prompt_ids)
+    if longest + max_tokens > limit:
+        raise InputError(f"the longest prompt ({longest} tokens) plus --max-tokens {max_tokens} exceeds the engine's "
+                         f"max_seq_len {limit} ({engine.options_path}); lower --max-tokens or rebuild with a larger "
+                         "--max-seq-len.", field="--max-tokens")
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a result file; a failure (full disk, /dev/full) names the file."""
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+
+
+def resolve_draft_method(draft_method: str | None, sa_threshold: int | None, backend: str,
+                         engine) -> tuple[str, int | None]:
+    """-> (method, suffix-match threshold or None). Default: dflash-sa on the reference runtime (the
+    fastest there, docs/benchmarks.md), DFlash on TensorRT-LLM (which has no suffix drafting)."""
+    from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD
+
+    if backend == "trtllm":
+        if draft_method in ("ngram", "dflash-sa") or sa_threshold is not None:
+            raise InputError("--draft-method ngram / dflash-sa and --sa-threshold run on the reference backend only; "
+                             "the trtllm backend runs DFlash.", field="--backend")
+        return "dflash", None
+    method = draft_method or "dflash-sa"
+    if method != "dflash-sa":
+        return method, None
+    return method, sa_threshold or (engine.sa_threshold if engine is not None else None) or DEFAULT_SA_THRESHOLD
+
+
 def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, drafter_dir: Path, draft_method: str,
-                  block_size: int | None, schedule: dict[int, int] | None, device: str, dtype: str,
-                  with_baseline: bool):
+                  sa_threshold: int | None, block_size: int | None, schedule: dict[int, int] | None, device: str,
+                  dtype: str, with_baseline: bool):
     """The runtime(s) for this run: [main] or [main, autoregressive baseline]."""
     if backend == "trtllm":
         if engine_root is None:
             raise InputError("the TensorRT-LLM backend runs engine directories; build one with dflash-build "
                              "and pass it as ENGINE_DIR.", field="--backend")
-        if draft_method != "dflash" or with_baseline:
-            raise InputError("--draft-method ngram and --baseline run on the reference backend only.",
-                             field="--backend")
+        if with_baseline:
+            raise InputError("--baseline runs on the reference backend only.", field="--backend")
         from trtllm_dflash.runtime.trtllm import TrtllmRuntime
 
-        return [TrtllmRuntime(engine_root)]
+        runtime = TrtllmRuntime(engine_root)
+        for warning in runtime.warnings:
+            click.echo(f"note: {warning}", err=True)
+        return [runtime]
     from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
     from trtllm_dflash.models.drafter import load_drafter
     from trtllm_dflash.models.target import GptOssTarget
-    from trtllm_dflash.runtime.proposers import DFlashProposer, NGramProposer
+    from trtllm_dflash.runtime.proposers import DFlashProposer, NGramProposer, SuffixDFlashProposer
     from trtllm_dflash.runtime.reference import ReferenceRuntime
 
     torch_device = resolve_device(device)
@@ -131,10 +172,48 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
         proposer = NGramProposer(num_drafts=width - 1)
     else:
         proposer = DFlashProposer(load_drafter(drafter_dir, torch_device, torch_dtype), target, block_size)
+        if draft_method == "dflash-sa":
+            proposer = SuffixDFlashProposer(proposer, sa_threshold)
     runtimes = [ReferenceRuntime(target, proposer, draft_len_schedule=schedule)]
     if with_baseline:
         runtimes.append(ReferenceRuntime(target, None))
     return runtimes
+
+
+def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int, stream: StreamPrinter | None):
+    """Per batch of prompts, `repeats` times: the speculative runtime, then the baseline (if any), so
+    machine drift hits both alike. Only the first speculative run streams.
+    -> (speculative runs, baseline runs or None, interrupted); each run lists every prompt's result
+    (after Ctrl-C the first run holds what finished and the partial batch)."""
+    from trtllm_dflash.runtime.stats import GenerationInterrupted
+
+    spec_runs = [[] for _ in range(repeats)]
+    base_runs = [[] for _ in range(repeats)] if len(runtimes) > 1 else None
+    streaming = False
+    try:
+        for first in range(0, len(prompt_ids), batch_size):
+            chunk = prompt_ids[first: first + batch_size]
+            for repeat in range(repeats):
+                streaming = repeat == 0
+                on_tokens = (None if stream is None or not streaming else
+                             (lambda r, toks, base=first: stream.on_tokens(base + r, toks)))
+                spec_runs[repeat] += runtimes[0].generate(chunk, params, batch_size, on_tokens)
+                if streaming and stream is not None:
+                    stream.finish_through(len(spec_runs[0]) - 1)
+                streaming = False
+                if base_runs is not None:
+                    base_runs[repeat] += runtimes[1].generate(chunk, params, batch_size)
+    except GenerationInterrupted as stop:
+        if streaming:
+            spec_runs[0] += stop.results
+        return spec_runs, base_runs, True
+    except KeyboardInterrupt:
+        return spec_runs, base_runs, True
+    finally:
+        for runtime in runtimes:
+            if hasattr(runtime, "close"):  # TensorRT-LLM holds GPU workers until shut down
+                runtime.close()
+    return spec_runs, base_runs, False
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -154,13 +233,22 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
 @click.option("--batch-size", default=1, show_default=True, type=click.IntRange(min=1),
               help="Requests decoded together.")
 @click.option("--block-size", type=int, help="Verify block (anchor + drafts); at most the drafter's.")
-@click.option("--draft-method", type=click.Choice(["dflash", "ngram"]), default="dflash", show_default=True,
-              help="ngram = prompt lookup, the draft-model-free baseline.")
+@click.option("--draft-method", type=click.Choice(["dflash-sa", "dflash", "ngram"]),
+              help="dflash-sa = DFlash plus suffix-automaton drafts where the text repeats itself (the reference "
+                   "runtime's default); dflash = the drafter alone (the trtllm backend's); ngram = prompt lookup, "
+                   "the draft-model-free baseline.")
+@click.option("--sa-threshold", type=click.IntRange(min=1),
+              help="dflash-sa: take suffix drafts when the longest earlier-occurring suffix has at least this many "
+                   "tokens [default: the engine's, else 2].")
 @click.option("--backend", type=click.Choice(["auto", "trtllm", "reference"]), default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (reference backend).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="auto = float32 on CPU, bfloat16 on GPU.")
 @click.option("--baseline", is_flag=True, help="Also run autoregressive decoding and compare.")
+@click.option("--repeats", type=click.IntRange(min=1),
+              help="With --baseline: runs of each batch, speculative and autoregressive interleaved; speed-ups are "
+                   "medians [default: 3].")
+@click.option("--threads", type=click.IntRange(min=1), help="torch intra-op threads [default: torch's].")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt on stdout.")
 @click.option("--output", type=click.Path(path_type=Path), help="Also write the JSON records to this JSONL file.")
 @click.option("--stats-file", type=click.Path(path_type=Path), help="Per-step records (JSONL) for analysis.")
@@ -168,18 +256,25 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
 @click.option("--verify", is_flag=True, help="Check every file of ENGINE_DIR against its sha256 first.")
 @clean_errors
 def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, max_tokens, temperature, top_p,
-         top_k, seed, batch_size, block_size, draft_method, backend, device, dtype, baseline, as_json, output,
-         stats_file, no_stream, verify):
+         top_k, seed, batch_size, block_size, draft_method, sa_threshold, backend, device, dtype, baseline, repeats,
+         threads, as_json, output, stats_file, no_stream, verify):
     """Run the DFlash draft-verify loop on ENGINE_DIR (or --target/--drafter, or the embedded default)."""
     from trtllm_dflash.checkpoints.gpt_oss import stop_token_ids
     from trtllm_dflash.checkpoints.validate import validate_pair
     from trtllm_dflash.runtime.interface import check_request, choose_backend
     from trtllm_dflash.runtime.sampling import SamplingParams
-    from trtllm_dflash.runtime.stats import GenerationInterrupted
 
     for path, option in ((output, "--output"), (stats_file, "--stats-file")):
         if path is not None:  # before the run, not after it
             check_output_path(path, option, directory=False)
+    if sa_threshold is not None and draft_method not in (None, "dflash-sa"):
+        raise InputError(f"sets the suffix-match length of --draft-method dflash-sa; it means nothing with "
+                         f"--draft-method {draft_method}.", field="--sa-threshold")
+    if repeats is not None and not baseline:
+        raise InputError("repeats the comparison with autoregressive decoding; add --baseline.", field="--repeats")
+    repeats = repeats or (3 if baseline else 1)
+    if threads is not None:
+        torch.set_num_threads(threads)
     given_target = target_dir
     target_dir, drafter_dir, engine = resolve_pair(engine_dir, target_dir, drafter_dir, verify)
     pair = validate_pair(target_dir, drafter_dir, block_size)
@@ -190,12 +285,12 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
         engine_block, schedule = engine_speculation(engine)
         block_size = block_size or engine_block
     prompts: list[str | list[int]] = list(prompt_texts) + (read_prompts_file(prompts_file) if prompts_file else [])
-    if not prompts:
-        if engine_dir or given_target:
-            raise InputError("no prompts given; use --prompt TEXT or --prompts-file FILE.", field="--prompt")
+    if not prompts:  # any pair runs on the held-out prompts, as the embedded default does (it never trained on them)
         from trtllm_dflash.embedded import heldout_prompts
 
-        prompts = heldout_prompts()  # the embedded default runs on prompts it never trained on
+        prompts = heldout_prompts()
+        if engine_dir or given_target:
+            click.echo(f"no --prompt or --prompts-file: running the {len(prompts)} embedded held-out prompts", err=True)
     needs_text = chat or any(isinstance(p, str) for p in prompts)
     tokenizer = load_tokenizer(target_dir) if needs_text or (target_dir / "tokenizer.json").is_file() else None
     prompt_ids = encode_prompts(prompts, tokenizer, chat, target_dir)
@@ -203,54 +298,49 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
                             stop_token_ids=tuple(stop_token_ids(target_dir, pair.target_config)))
     check_request(prompt_ids, batch_size, pair.target_config["vocab_size"], max_tokens,
                   pair.target_config.get("max_position_embeddings"))  # before any model is loaded
+    if engine is not None:
+        check_engine_seq_len(engine, prompt_ids, max_tokens)
 
-    chosen, reason = choose_backend(backend)
+    if engine is not None:
+        from trtllm_dflash.engine.load import engine_backend
+
+        chosen, reason = engine_backend(engine, backend)
+    else:
+        chosen, reason = choose_backend(backend)
     click.echo(f"backend: {chosen} ({reason})", err=True)
-    runtimes = build_runtime(chosen, engine.root if engine else None, target_dir, drafter_dir, draft_method,
+    method, sa_threshold = resolve_draft_method(draft_method, sa_threshold, chosen, engine)
+    runtimes = build_runtime(chosen, engine.root if engine else None, target_dir, drafter_dir, method, sa_threshold,
                              block_size, schedule, device, dtype, baseline)
     for runtime in runtimes:
         if hasattr(runtime, "warm_up"):
             runtime.warm_up(prompt_ids[0])
 
     stream = None if (as_json or no_stream) else StreamPrinter(tokenizer, prompts)
-    results, baselines, interrupted = [], None, False
-    try:
-        on_tokens = None if stream is None else stream.on_tokens
-        for first in range(0, len(prompt_ids), batch_size):
-            results += runtimes[0].generate(prompt_ids[first: first + batch_size], params, batch_size,
-                                            None if on_tokens is None else
-                                            (lambda r, toks, base=first: on_tokens(base + r, toks)))
-            if stream is not None:
-                stream.finish_through(len(results) - 1)
-        if len(runtimes) > 1:
-            baselines = runtimes[1].generate(prompt_ids, params, batch_size)
-    except GenerationInterrupted as stop:
-        results, interrupted = results + stop.results, True
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        for runtime in runtimes:
-            if hasattr(runtime, "close"):  # TensorRT-LLM holds GPU workers until shut down
-                runtime.close()
+    spec_runs, base_runs, interrupted = run_interleaved(runtimes, prompt_ids, params, batch_size, repeats, stream)
+    results = spec_runs[0]
     if interrupted:
         click.echo("\ninterrupted: statistics so far", err=True)
-        baselines = None
+        spec_runs, base_runs = [results], None
 
-    records = [json_record(p, r, tokenizer, b) for p, r, b in
-               zip(prompts, results, baselines or [None] * len(results))]
+    from trtllm_dflash.runtime.report import print_report, spread_warning, summary_record
+
+    records = [json_record(p, [run[i] for run in spec_runs], tokenizer,
+                           None if base_runs is None else [run[i] for run in base_runs])
+               for i, p in enumerate(prompts[: len(results)])]
+    summary = summary_record(results, spec_runs, base_runs, batch_size, method=method, sa_threshold=sa_threshold,
+                             backend=chosen, threads=torch.get_num_threads(), repeats=repeats)
     if as_json:
-        for record in records:
+        for record in [*records, summary]:
             click.echo(json.dumps(record))
     if output:
-        output.write_text("".join(json.dumps(record) + "\n" for record in records))
+        write_text(output, "".join(json.dumps(record) + "\n" for record in [*records, summary]))
     if stats_file:
-        stats_file.write_text("".join(
+        write_text(stats_file, "".join(
             json.dumps({"request": i, "step": step, "accepted": a}) + "\n"
             for i, result in enumerate(results) for step, a in enumerate(result.stats.accepted_per_step)))
     if not as_json and results:
-        from trtllm_dflash.runtime.report import print_report
-
-        print_report(records, results, baselines, backend=chosen, batch_size=batch_size,
-                     texts_already_shown=stream is not None)
+        print_report(records, summary, results, batch_size=batch_size, texts_already_shown=stream is not None)
+    if (warning := spread_warning(summary)) is not None:
+        click.echo(warning, err=True)
     if interrupted:
         sys.exit(EXIT_INTERRUPTED)

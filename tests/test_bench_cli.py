@@ -39,7 +39,7 @@ def test_sweep_runs_end_to_end_and_writes_json_csv_plots(tiny_pair, prompts_file
             "headline", "headline_ci95", "spread", "cost_model", "schedule"} <= set(document)
     assert document["measured_on"]["runner"] == "in-process" and document["measured_on"]["threads"] == 1
     points = [BenchPoint.from_dict(raw) for raw in document["points"]]
-    assert {(p.method, p.draft_len) for p in points} == {("ar", 0), ("dflash", 1), ("dflash", 3)}
+    assert {(p.method, p.draft_len) for p in points} == {("ar", 0), ("dflash", 1), ("dflash", 3), ("dflash-sa", 3)}
     assert {p.concurrency for p in points} == {1, 2, 4}
     for p in points:
         assert p.tokens_per_s > 0 and p.tokens_per_s_user > 0 and len(p.per_position_acceptance) == p.draft_len
@@ -51,6 +51,8 @@ def test_sweep_runs_end_to_end_and_writes_json_csv_plots(tiny_pair, prompts_file
         assert len(p.samples["e2e_s"]) == 2 * 4  # every request of both repeats
         assert p.latency["ttft_s"]["p50"] < p.latency["e2e_s"]["p50"]
     assert document["cost_model"]["holdout"]["heldout_concurrency"] == [2]
+    # dflash-sa is measured beside DFlash but TensorRT-LLM's cost model and schedule ignore it
+    assert {row["method"] for row in document["cost_model"]["holdout"]["points"]} <= {"ar", "dflash"}
     assert set(document["headline"]) == set(document["headline_ci95"]) == {
         "throughput_gain_at_equal_interactivity", "interactivity_gain_at_smallest_batch"}
     rows = list(csv.reader((out / "bench.csv").open()))
@@ -72,9 +74,9 @@ def test_without_a_terminal_each_finished_point_prints_a_line(tiny_pair, prompts
                    "--requests", "2", "--repeats", "2", "--no-plot", "--output-dir", str(tmp_path / "out"))
     assert result.exit_code == 0, result.output
     lines = [line for line in result.output.splitlines() if line.startswith("[")]
-    assert len(lines) == 2 * 2 * 2  # runners x levels x repeats
-    assert lines[0].startswith("[1/8] ar K=0 c=1 repeat 1: ") and "tok/s/user" in lines[0] and "TTFT p50" in lines[0]
-    assert lines[-1].startswith("[8/8] dflash K=1 c=2 repeat 2")
+    assert len(lines) == 3 * 2 * 2  # runners (AR, K=1, dflash-sa) x levels x repeats
+    assert lines[0].startswith("[1/12] ar K=0 c=1 repeat 1: ") and "tok/s/user" in lines[0] and "TTFT p50" in lines[0]
+    assert lines[-1].startswith("[12/12] dflash-sa K=1 c=2 repeat 2")
 
 
 def test_one_repeat_recommends_no_schedule_and_exits_0(tiny_pair, prompts_file, tmp_path):

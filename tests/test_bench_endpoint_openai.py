@@ -13,7 +13,8 @@ from click.testing import CliRunner
 
 from trtllm_dflash.bench.endpoints import OpenAIEndpoint
 from trtllm_dflash.bench.points import BenchPoint
-from trtllm_dflash.bench.schedule import schedule_from_bench
+from trtllm_dflash.bench.schedule import measured_on, schedule_from_bench
+from trtllm_dflash.engine.profiles import load_profile
 from trtllm_dflash.cli.bench import main
 
 
@@ -44,7 +45,8 @@ def test_sweep_against_the_double_reports_serving_metrics_and_not_reported_tau(t
     document = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert document["measured_on"] == {"runner": "endpoint", "device": "NVIDIA B200", "url": double.url,
                                        "protocol": "openai", "models": {"dflash": 3}}
-    assert document["device"] == "NVIDIA B200" and document["cost_model"] is None
+    assert (document["machine"], document["device"]) == ("NVIDIA B200", "cuda")  # what dflash-build checks
+    assert document["cost_model"] is None
     points = [BenchPoint.from_dict(raw) for raw in document["points"]]
     assert {(p.draft_len, p.concurrency) for p in points} == {(3, 1), (3, 2)}
     for p in points:
@@ -65,6 +67,8 @@ def test_a_schedule_measured_on_a_server_is_what_dflash_build_reads(tmp_path):
     assert document["measured_on"]["device"] == "NVIDIA B200" and document["measured_on"]["runner"] == "endpoint"
     assert document["schedule"]["recommended"], document["schedule"]["reason"]
     assert schedule_from_bench(tmp_path / "out" / "bench.json") == {2: 3}  # K=3 up to batch 2, off above
+    where = measured_on(tmp_path / "out" / "bench.json")  # what dflash-build checks against the profile
+    assert load_profile("b200-latency").runs_on(**where) and not load_profile("h200-latency").runs_on(**where)
     assert document["headline"]["interactivity_gain_at_smallest_batch"]["ratio"] > 2
 
 

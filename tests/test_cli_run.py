@@ -15,24 +15,93 @@ def invoke(*args):
     return CliRunner().invoke(run_main, [str(a) for a in args])
 
 
+def json_lines(result) -> tuple[list[dict], dict]:
+    """--json output -> (per-prompt records, the summary object that comes last)."""
+    *records, summary = [json.loads(line) for line in result.stdout.splitlines()]
+    assert summary["summary"] is True and not any("summary" in r for r in records)
+    return records, summary
+
+
 def test_json_output_and_baseline(tiny_pair, tmp_path):
     target, drafter = tiny_pair
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n" + json.dumps({"prompt_token_ids": [5, 6, 7]}) + "\n")
     result = invoke("--target", target, "--drafter", drafter, "--prompt", "import os", "--prompts-file", prompts,
-                    "--max-tokens", 12, "--batch-size", 2, "--baseline", "--json")
+                    "--max-tokens", 12, "--batch-size", 2, "--baseline", "--json", "--repeats", 2, "--threads", 1)
     assert result.exit_code == 0, result.output
-    records = [json.loads(line) for line in result.stdout.splitlines()]
+    records, summary = json_lines(result)
     assert len(records) == 3
     required = {"prompt", "prompt_token_ids", "output_token_ids", "text", "num_output_tokens", "steps",
                 "acceptance_length", "acceptance_histogram", "decode_tokens_per_s", "baseline_output_token_ids",
-                "baseline_decode_tokens_per_s", "speedup", "matches_baseline"}
+                "baseline_decode_tokens_per_s", "speedup", "speedup_min", "speedup_max", "matches_baseline",
+                "suffix_steps"}
     for record in records:
         assert required <= set(record)
         assert record["matches_baseline"] is True
         assert record["num_output_tokens"] == len(record["output_token_ids"]) <= 12
         assert len(record["acceptance_histogram"]) == 4
+        assert record["speedup_min"] <= record["speedup"] <= record["speedup_max"]
     assert records[2]["prompt_token_ids"] == [5, 6, 7]
+    # the summary: pooled tau (committed tokens / verify steps of all prompts), repeats, threads
+    settings = (summary["method"], summary["sa_threshold"], summary["threads"], summary["repeats"])
+    assert settings == ("dflash-sa", 2, 1, 2)
+    committed = sum(sum((a + 1) * n for a, n in enumerate(r["acceptance_histogram"])) for r in records)
+    assert summary["steps"] == sum(r["steps"] for r in records)
+    assert summary["acceptance_length"] == pytest.approx(committed / summary["steps"])
+    assert summary["suffix_steps"] == sum(r["suffix_steps"] for r in records)
+    assert summary["speedup_min"] <= summary["speedup"] <= summary["speedup_max"]
+    assert summary["outputs_identical"] == 3 and isinstance(summary["spread_wider_than_effect"], bool)
+
+
+def test_a_request_without_verify_steps_has_no_tau(tiny_pair):
+    target, drafter = tiny_pair
+    result = invoke("--target", target, "--drafter", drafter, "--prompt", "abc", "--max-tokens", 1, "--json")
+    assert result.exit_code == 0, result.output
+    (record,), summary = json_lines(result)
+    assert record["steps"] == 0 and record["acceptance_length"] is None and summary["acceptance_length"] is None
+    report = invoke("--target", target, "--drafter", drafter, "--prompt", "abc", "--max-tokens", 1, "--no-stream")
+    assert report.exit_code == 0 and "acceptance length (tau)" in report.output
+
+
+@pytest.mark.parametrize("args,title", [([], "DFlash + suffix automaton (threshold 2) on the reference backend"),
+                                        (["--sa-threshold", 4], "DFlash + suffix automaton (threshold 4)"),
+                                        (["--draft-method", "dflash"], "DFlash on the reference backend"),
+                                        (["--draft-method", "ngram"], "n-gram prompt lookup on the reference")])
+def test_the_title_names_the_method_that_ran(tiny_pair, args, title):
+    target, drafter = tiny_pair
+    result = invoke("--target", target, "--drafter", drafter, "--prompt", "abcabc", "--max-tokens", 6, "--no-stream",
+                    *args)
+    assert result.exit_code == 0 and title in result.output, result.output
+
+
+def test_spread_wider_than_the_effect_is_a_warning():
+    from trtllm_dflash.runtime.report import spread_warning, summary_record
+    from trtllm_dflash.runtime.stats import GenerationResult, RequestStats
+
+    def run(decode_time):
+        stats = RequestStats(4, num_output_tokens=11, decode_time=decode_time)
+        return [GenerationResult([1], [2] * 11, "length", stats)]
+    settings = dict(method="dflash", sa_threshold=None, backend="reference", threads=2, repeats=3)
+    steady = summary_record(run(1.0), [run(1.0), run(1.02), run(0.98)], [run(1.5)] * 3, 1, **settings)
+    assert steady["speedup"] == pytest.approx(1.5) and spread_warning(steady) is None
+    noisy = summary_record(run(1.0), [run(1.0), run(0.5), run(2.0)], [run(1.1)] * 3, 1, **settings)
+    assert noisy["spread_wider_than_effect"]
+    assert (noisy["speedup_min"], noisy["speedup_max"]) == pytest.approx((0.55, 2.2))
+    assert "0.55x..2.20x" in spread_warning(noisy) and "--threads 1" in spread_warning(noisy)
+
+
+@pytest.mark.parametrize("args,option", [(["--sa-threshold", 0], "--sa-threshold"),
+                                         (["--sa-threshold", -2], "--sa-threshold"),
+                                         (["--repeats", 0, "--baseline"], "--repeats"),
+                                         (["--threads", 0], "--threads"),
+                                         (["--sa-threshold", 3, "--draft-method", "dflash"], "--sa-threshold"),
+                                         (["--sa-threshold", 3, "--draft-method", "ngram"], "--sa-threshold"),
+                                         (["--repeats", 3], "--repeats")])
+def test_bad_speed_and_hybrid_options(tiny_pair, args, option):
+    target, drafter = tiny_pair
+    result = invoke("--target", target, "--drafter", drafter, "--prompt", "x", "--no-stream", *args)
+    assert result.exit_code == 2 and option in result.output and "Traceback" not in result.output, result.output
+    assert "tok/s" not in result.output  # nothing ran
 
 
 def test_text_prompts_file_and_human_report(tiny_pair, tmp_path):
@@ -116,8 +185,6 @@ def test_bad_options(tiny_pair):
     assert "block_size" in invoke("--target", target, "--drafter", drafter, "--prompt", "x", "--block-size", 9).output
     result = invoke("--target", target, "--drafter", drafter, "--prompt", "x", "--top-p", 0)
     assert result.exit_code == 2 and "top_p" in result.output
-    result = invoke("--target", target, "--drafter", drafter)
-    assert result.exit_code == 2 and "no prompts" in result.output
 
 
 def test_outputs_stats_file_and_ngram(tiny_pair, tmp_path):
@@ -127,7 +194,8 @@ def test_outputs_stats_file_and_ngram(tiny_pair, tmp_path):
                     "--max-tokens", 10, "--draft-method", "ngram", "--output", out, "--stats-file", steps,
                     "--no-stream")
     assert result.exit_code == 0, result.output
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    *records, summary = [json.loads(line) for line in out.read_text().splitlines()]  # the same lines as --json
+    assert summary["summary"] and summary["method"] == "ngram" and summary["sa_threshold"] is None
     step_records = [json.loads(line) for line in steps.read_text().splitlines()]
     for i, record in enumerate(records):
         mine = [s["accepted"] for s in step_records if s["request"] == i]
@@ -142,8 +210,8 @@ def test_streamed_text_equals_final_text(tiny_pair):
     final = invoke("--target", target, "--drafter", drafter, "--prompt", "hello", "--prompt", "world",
                    "--max-tokens", 12, "--batch-size", 2, "--json")
     assert streamed.exit_code == 0 and final.exit_code == 0
-    texts = [json.loads(line)["text"] for line in final.stdout.splitlines()]
-    body = streamed.stdout.split("DFlash on the")[0]
+    texts = [record["text"] for record in json_lines(final)[0]]
+    body = streamed.stdout.split(" on the reference backend")[0]
     positions = [body.index(text) for text in texts]
     assert positions == sorted(positions)  # every final text appears, in prompt order
 
@@ -158,7 +226,7 @@ def test_chat_template_applied_when_present(tiny_pair, tmp_path):
     config_path.write_text(json.dumps(config))
     result = invoke("--target", target, "--drafter", drafter, "--prompt", "hi", "--chat", "--json", "--max-tokens", 2)
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["prompt_token_ids"] == list(b"<user>hi<assistant>")
+    assert json_lines(result)[0][0]["prompt_token_ids"] == list(b"<user>hi<assistant>")
 
 
 def test_ctrl_c_prints_statistics_and_exits_130(tiny_pair):
@@ -190,17 +258,23 @@ def test_ctrl_c_prints_statistics_and_exits_130(tiny_pair):
     assert "acceptance length" in out
 
 
-def test_run_engine_directory_and_verify(tiny_pair, tmp_path):
+def build_engine(tiny_pair, engine, *args):
+    """dflash-build of the tiny pair into `engine`, which it returns."""
     from trtllm_dflash.cli.build import main as build_main
 
     target, drafter = tiny_pair
-    engine = tmp_path / "engine"
     built = CliRunner().invoke(build_main, ["--target", str(target), "--drafter", str(drafter), "-o", str(engine),
-                                            "--max-draft-len", "2", "--quiet"])
+                                            "--profile", "cpu-reference", "--quiet", *map(str, args)])
     assert built.exit_code == 0, built.output
+    return engine
+
+
+def test_run_engine_directory_and_verify(tiny_pair, tmp_path):
+    target, _ = tiny_pair
+    engine = build_engine(tiny_pair, tmp_path / "engine", "--max-draft-len", 2)
     result = invoke(engine, "--prompt", "abc", "--max-tokens", 8, "--json", "--baseline", "--verify")
     assert result.exit_code == 0, result.output
-    record = json.loads(result.stdout)
+    (record,), _ = json_lines(result)
     assert record["matches_baseline"] and len(record["acceptance_histogram"]) == 3  # max_draft_len 2 -> block 3
     config = engine / "target" / "config.json"
     config.write_text(config.read_text().replace('"hidden_size": 64', '"hidden_size": 65'))  # same size
@@ -220,21 +294,16 @@ def test_no_arguments_without_embedded_pair_is_a_clear_error(monkeypatch, tmp_pa
 def test_schedule_from_bench_reaches_the_engine_and_the_run(tiny_pair, tmp_path):
     import yaml
 
-    from trtllm_dflash.cli.build import main as build_main
-
-    target, drafter = tiny_pair
     bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"schedule": {"max_draft_len": 3, "draft_len_schedule": {"1": 3, "2": 1}}}))
-    engine = tmp_path / "engine"
-    built = CliRunner().invoke(build_main, ["--target", str(target), "--drafter", str(drafter), "-o", str(engine),
-                                            "--schedule-from", str(bench), "--quiet"])
-    assert built.exit_code == 0, built.output
+    bench.write_text(json.dumps({"machine": "2-core x86_64 CPU", "device": "cpu",
+                                 "schedule": {"max_draft_len": 3, "draft_len_schedule": {"1": 3, "2": 1}}}))
+    engine = build_engine(tiny_pair, tmp_path / "engine", "--schedule-from", bench)
     spec = yaml.safe_load((engine / "llm_api_options.yaml").read_text())["speculative_config"]
     assert spec["draft_len_schedule"] == {1: 3, 2: 1} and spec["max_draft_len"] == 3
     result = invoke(engine, "--prompt", "abc", "--prompt", "xyz", "--prompt", "q", "--batch-size", 3,
                     "--max-tokens", 10, "--json", "--baseline")
     assert result.exit_code == 0, result.output
-    assert all(json.loads(line)["matches_baseline"] for line in result.stdout.splitlines())
+    assert all(record["matches_baseline"] for record in json_lines(result)[0])
 
 
 def test_unusable_prompts_and_output_paths_fail_before_the_run(tiny_pair, tmp_path):
@@ -301,3 +370,29 @@ def test_bad_prompt_ids_devices_and_lengths_are_refused_before_loading(tiny_pair
     ]:
         result = invoke("--target", target, "--drafter", drafter, "--prompt", "ab", "--no-stream", *args)
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, args
+
+
+def test_sa_threshold_lives_in_the_manifest_not_the_trtllm_options(tiny_pair, tmp_path):
+    from trtllm_dflash.cli.build import main as build_main
+    from trtllm_dflash.engine.manifest import open_engine
+    from trtllm_dflash.runtime.trtllm import ignored_engine_settings
+
+    target, drafter = tiny_pair
+    engine = build_engine(tiny_pair, tmp_path / "engine", "--sa-threshold", 3)
+    assert open_engine(engine).sa_threshold == 3
+    assert "sa_threshold" not in (engine / "llm_api_options.yaml").read_text()  # TensorRT-LLM forbids unknown keys
+    (note,) = ignored_engine_settings(engine)
+    assert "sa_threshold (3)" in note and "ignores it" in note
+    for args, threshold in (([], 3), (["--sa-threshold", 5], 5)):
+        result = invoke(engine, "--prompt", "abc", "--max-tokens", 6, "--json", *args)
+        assert result.exit_code == 0, result.output
+        assert json_lines(result)[1]["sa_threshold"] == threshold
+    bad = CliRunner().invoke(build_main, ["--target", str(target), "--drafter", str(drafter), "-o",
+                                          str(tmp_path / "other"), "--sa-threshold", "0"])
+    assert bad.exit_code == 2 and "--sa-threshold" in bad.output
+    result = invoke(engine, "--prompt", "abc", "--backend", "trtllm", "--draft-method", "dflash-sa")
+    assert result.exit_code == 2 and "reference backend only" in result.output and "Traceback" not in result.output
+    manifest = engine / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"sa_threshold": 3', '"sa_threshold": "3"'))
+    result = invoke(engine, "--prompt", "abc")
+    assert result.exit_code == 2 and "runtime.sa_threshold" in result.output and "Traceback" not in result.output

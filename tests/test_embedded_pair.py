@@ -33,8 +33,8 @@ def test_dflash_run_without_arguments(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the embedded engine is built once, here
     result = CliRunner().invoke(main, ["--max-tokens", "24", "--json"])
     assert result.exit_code == 0, result.output
-    records = [json.loads(line) for line in result.stdout.splitlines()]
-    assert len(records) == 4 and all(r["num_output_tokens"] > 0 for r in records)
+    *records, summary = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(records) == 4 and all(r["num_output_tokens"] > 0 for r in records) and summary["summary"]
     assert (tmp_path / "trtllm-dflash").is_dir()
     again = CliRunner().invoke(main, ["--max-tokens", "8", "--baseline"])  # reuses the cached engine
     assert again.exit_code == 0 and "building the embedded default engine" not in again.output

@@ -22,7 +22,8 @@ def kill_at(stage: str, target, drafter, out, tmp_path) -> None:
     marker = tmp_path / f"paused-{stage}"
     env = {**os.environ, PAUSE_ENV: stage, PAUSE_MARKER_ENV: str(marker), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "--target", str(target), "--drafter", str(drafter),
-                             "-o", str(out), "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             "-o", str(out), "--profile", "cpu-reference", "--quiet"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while not marker.exists():
         if proc.poll() is not None:

@@ -18,8 +18,12 @@ def out(tmp_path):
     return tmp_path / "engine"
 
 
-def run(args):
-    return CliRunner().invoke(main, [str(a) for a in args])
+def run(args, default_profile="cpu-reference"):
+    """dflash-build with args; a profile is required for non-embedded targets, cpu-reference unless given."""
+    args = [str(a) for a in args]
+    if default_profile and "--profile" not in args:
+        args += ["--profile", default_profile]
+    return CliRunner().invoke(main, args)
 
 
 def refused(result, out, *needles):

@@ -173,8 +173,8 @@ def test_drafter_plugin_switch_on_cuda(embedded_on_cuda):
 @pytest.mark.parametrize("batch_size", [1, 4])
 @pytest.mark.parametrize("use_plugin", [False, True])
 def test_reference_runtime_lossless_on_cuda(embedded_on_cuda, batch_size, use_plugin):
-    """Embedded pair on CUDA (float32): DFlash and n-gram greedy == transformers' greedy generate on CUDA."""
-    from trtllm_dflash.runtime.proposers import DFlashProposer, NGramProposer
+    """Embedded pair on CUDA (float32): DFlash, n-gram and dflash-sa greedy == transformers' greedy generate."""
+    from trtllm_dflash.runtime.proposers import DFlashProposer, NGramProposer, SuffixDFlashProposer
     from trtllm_dflash.runtime.reference import ReferenceRuntime
     from trtllm_dflash.runtime.sampling import SamplingParams
 
@@ -187,7 +187,8 @@ def test_reference_runtime_lossless_on_cuda(embedded_on_cuda, batch_size, use_pl
     params = SamplingParams(max_tokens=48)
     drafter.use_plugin = use_plugin
     try:
-        for proposer in (DFlashProposer(drafter, target), NGramProposer(num_drafts=7)):
+        for proposer in (DFlashProposer(drafter, target), NGramProposer(num_drafts=7),
+                         SuffixDFlashProposer(DFlashProposer(drafter, target))):
             results = ReferenceRuntime(target, proposer).generate(prompts, params, batch_size=batch_size)
             assert [r.output_token_ids for r in results] == expected
             assert sum(r.stats.acceptance_length for r in results) / len(results) > 1.0

@@ -16,7 +16,7 @@ import trtllm_dflash.runtime.reference as reference
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.runtime.accept import rejection_accept
-from trtllm_dflash.runtime.proposers import DFlashProposer
+from trtllm_dflash.runtime.proposers import DFlashProposer, SuffixDFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams, probabilities
 
@@ -62,16 +62,18 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2))
 
 
-def speculative_counts(target, drafter, params_for_seed) -> tuple[torch.Tensor, list[int]]:
+def speculative_counts(target, drafter, params_for_seed, proposer=None) -> tuple[torch.Tensor, list[int], int]:
+    """-> (counts of (t2, t3), acceptance histogram, steps whose drafts came from the suffix index)."""
     counts = torch.zeros(VOCAB, VOCAB)
-    histogram = [0] * 4
-    runtime = ReferenceRuntime(target, DFlashProposer(drafter, target))
+    histogram, suffix_steps = [0] * 4, 0
+    runtime = ReferenceRuntime(target, proposer or DFlashProposer(drafter, target))
     for seed in range(SEEDS):
         results = runtime.generate([PROMPT] * SAMPLES_PER_SEED, params_for_seed(seed), batch_size=SAMPLES_PER_SEED)
         for result in results:
             counts[result.output_token_ids[1], result.output_token_ids[2]] += 1
             histogram = [h + n for h, n in zip(histogram, result.stats.accepted_histogram)]
-    return counts, histogram
+            suffix_steps += result.stats.suffix_steps
+    return counts, histogram, suffix_steps
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(0.7, 0.9, 0), (1.0, 0.8, 6)])
@@ -79,10 +81,24 @@ def test_speculative_samples_follow_target_distribution(pair, temperature, top_p
     hf, target, drafter = pair
     def params(seed):
         return SamplingParams(max_tokens=3, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    counts, histogram = speculative_counts(target, drafter, params)
+    counts, histogram, _ = speculative_counts(target, drafter, params)
     assert histogram[0] > 0 and sum(histogram[1:]) > 0, "both acceptance and rejection must be exercised"
     p_value = chi_square_p_value(counts, exact_joint(hf, params(0)))
     assert p_value > ALPHA, f"speculative samples deviate from the target distribution (p = {p_value:.2e})"
+
+
+def test_hybrid_samples_follow_target_distribution(pair):
+    """dflash-sa at T=0.7: with threshold 1 a first token that repeats a prompt token takes suffix
+    drafts (one-hot q) and any other takes the drafter's, in the same batch."""
+    hf, target, drafter = pair
+    def params(seed):
+        return SamplingParams(max_tokens=3, temperature=0.7, seed=seed)
+    hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target), threshold=1)
+    counts, histogram, suffix_steps = speculative_counts(target, drafter, params, hybrid)
+    assert 0 < suffix_steps < sum(histogram), "both suffix and drafter steps must be exercised"
+    assert histogram[0] > 0 and sum(histogram[1:]) > 0, "both acceptance and rejection must be exercised"
+    p_value = chi_square_p_value(counts, exact_joint(hf, params(0)))
+    assert p_value > ALPHA, f"dflash-sa samples deviate from the target distribution (p = {p_value:.2e})"
 
 
 def test_the_test_rejects_a_lossy_rule(pair, monkeypatch):
@@ -92,7 +108,7 @@ def test_the_test_rejects_a_lossy_rule(pair, monkeypatch):
                         lambda d, q, p, u: rejection_accept(d, q, p, torch.cat([torch.zeros_like(u[:, :-1]), u[:, -1:]], 1)))
     def params(seed):
         return SamplingParams(max_tokens=3, temperature=1.0, top_p=0.8, top_k=6, seed=seed)
-    counts, _ = speculative_counts(target, drafter, params)
+    counts, _, _ = speculative_counts(target, drafter, params)
     assert chi_square_p_value(counts, exact_joint(hf, params(0))) < ALPHA
 
 

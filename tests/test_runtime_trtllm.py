@@ -84,10 +84,16 @@ def test_versions_without_dflash_are_refused(old):
 def test_version_warnings():
     assert rt.check_version("1.3.0rc27") == []
     assert rt.check_version("1.4.0rc1") == []
-    early, = rt.check_version("1.3.0rc12")
-    assert "only if DFlashDecodingConfig imports" in early
     newer, = rt.check_version("1.5.0")
     assert "newer than 1.4.0rc1" in newer
+
+
+def test_versions_before_the_documented_dflash_release_are_refused():
+    """Builds of the 1.3.0rc series before rc27 may have DFlash, but no source we read documents
+    their fields: every engine records >= 1.3.0rc27 (engine/trtllm_versions.py)."""
+    with pytest.raises(MissingDependencyError, match=r"1\.3\.0rc27.*found 1\.3\.0rc12") as info:
+        rt.check_version("1.3.0rc12")
+    assert info.value.exit_code == 3 and "dflash" in str(info.value)
 
 
 # ----------------------------------------------------------------------------- missing dependency
@@ -436,10 +442,10 @@ def test_runtime_refuses_old_version(monkeypatch, tmp_path):
 
 
 def test_runtime_needs_dflash_config_class(monkeypatch, tmp_path):
-    install_fake_tensorrt_llm(monkeypatch, version="1.3.0rc5")
+    install_fake_tensorrt_llm(monkeypatch, version="1.3.0rc27")
     monkeypatch.delattr(sys.modules["tensorrt_llm.llmapi"], "DFlashDecodingConfig")
     monkeypatch.delattr(sys.modules["tensorrt_llm.llmapi.llm_args"], "DFlashDecodingConfig")
-    with pytest.raises(MissingDependencyError, match="DFlashDecodingConfig.*1.3.0rc5"):
+    with pytest.raises(MissingDependencyError, match="DFlashDecodingConfig.*1.3.0rc27"):
         rt.TrtllmRuntime(make_engine(tmp_path))
 
 

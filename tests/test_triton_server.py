@@ -325,6 +325,32 @@ def test_malformed_requests_get_errors_and_the_server_keeps_serving(server, expe
 
 
 @pytest.mark.slow
+def test_a_client_cancelling_its_stream_stops_the_generation(server, expected):
+    """A 4000-token request (well over 15 s here) is cancelled after its first response; a request
+    sent next, which would otherwise wait for that batch to end, is answered at once."""
+    import tritonclient.grpc as grpcclient
+
+    first = threading.Event()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    client.start_stream(callback=lambda result, error: first.set())
+    inputs = {"text_input": np.array([b"Once upon a time"], dtype=object),
+              "sampling_param_max_tokens": np.array([4000], dtype=np.int32), "streaming": np.array([True])}
+    tensors = []
+    for name, value in inputs.items():
+        tensors.append(grpcclient.InferInput(name, list(value.shape), {"text_input": "BYTES", "streaming": "BOOL"}
+                                             .get(name, "INT32")))
+        tensors[-1].set_data_from_numpy(value)
+    client.async_stream_infer("dflash", tensors)
+    assert first.wait(60)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    start = time.monotonic()
+    ids, _ = expected[PROMPTS[0]]
+    assert generate(server, PROMPTS[0])["output_ids"] == ids
+    assert time.monotonic() - start < 8
+
+
+@pytest.mark.slow
 def test_a_killed_stub_fails_the_request_in_flight_and_dflash_serve_exits_1(server):
     pids = [server.tritonserver, server.stub()]
     outcome = {}

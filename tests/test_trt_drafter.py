@@ -55,7 +55,7 @@ def test_build_trt_drafter_writes_onnx_and_says_why_no_engine(tiny_pair, tmp_pat
     target, drafter = tiny_pair
     engine = tmp_path / "engine"
     result = CliRunner().invoke(build_main, ["--target", str(target), "--drafter", str(drafter), "-o", str(engine),
-                                             "--trt-drafter", "--quiet"])
+                                             "--profile", "cpu-reference", "--trt-drafter", "--quiet"])
     assert result.exit_code == 0, result.output
     assert (engine / "drafter_trt" / "drafter.onnx").is_file()
     assert not (engine / "drafter_trt" / "drafter.engine").exists()

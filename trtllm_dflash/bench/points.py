@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from .metrics import LATENCIES, PERCENTILES
 
 AR = "ar"  # the autoregressive baseline's method name (draft length 0)
+SUFFIX_HYBRID = "dflash-sa"  # measured beside DFlash; not TensorRT-LLM's, so outside its cost model and schedule
 CONCURRENCY, RATE = "concurrency", "rate"  # closed loop (users) or open loop (Poisson requests/s)
 
 

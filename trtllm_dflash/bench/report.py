@@ -16,7 +16,7 @@ from rich.table import Table
 from .confidence import decisive_spread, headline_intervals, recommendation, schedule_effect, spread_summary
 from .cost_model import fit_cost_model, holdout_error
 from .pareto import best_throughput_gain
-from .points import AR, CONCURRENCY, CSV_COLUMNS, BenchPoint, csv_row
+from .points import AR, CONCURRENCY, CSV_COLUMNS, SUFFIX_HYBRID, BenchPoint, csv_row
 from .schedule import build_schedule, choose_lengths, measured_score, model_score
 
 SCHEMA = "dflash-bench/2"
@@ -88,7 +88,9 @@ def schedule_section(points: Sequence[BenchPoint], max_draft_len: int, source: s
 
 def analyse(points: Sequence[BenchPoint], max_draft_len: int, schedule_source: str = "model", seed: int = 0) -> dict:
     """Headline with intervals, spread, cost model (fitted on every point) with its held-out error,
-    and the schedule or the reason none is recommended."""
+    and the schedule or the reason none is recommended; all of it for TensorRT-LLM's methods (AR,
+    DFlash), so dflash-sa points are measured and shown but not analysed."""
+    points = [p for p in points if p.method != SUFFIX_HYBRID]
     cost = cost_model_section(points)
     return {"headline": headline(points), "headline_ci95": headline_intervals(points, headline, seed),
             "spread": spread_summary(points), "cost_model": cost,

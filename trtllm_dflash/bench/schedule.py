@@ -123,3 +123,10 @@ def schedule_from_bench(path: str | Path) -> dict[int, int]:
         raise InputError(f"expected an integer, got {most!r}.", path=path, field="schedule.max_draft_len")
     check_schedule(schedule, most if schedule else None, path)
     return schedule
+
+
+def measured_on(path: str | Path) -> dict[str, str] | None:
+    """{'machine', 'device'} of the dflash-bench run that wrote `path`, or None when it does not say."""
+    document = read_json(Path(path))
+    machine, device = document.get("machine"), document.get("device")
+    return {"machine": machine, "device": device} if isinstance(machine, str) and isinstance(device, str) else None

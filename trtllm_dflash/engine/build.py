@@ -31,10 +31,10 @@ from ..errors import InputError
 from ..models.drafter import DFlashDrafter, normalize_drafter_keys
 from ..quant.recipes import RECIPES
 from ..triton.repository import write_model_repository
-from . import checks
+from . import checks, trtllm_versions
 from .manifest import (CHUNK, DRAFTER, MANIFEST, OPTIONS_FILE, TARGET, TRITON, Engine, FileRecord, file_record,
                        list_files, open_engine, sha256_file, write_atomic, write_manifest)
-from .options import TRTLLM_VERSIONS, DFlashDecodingConfig, LlmApiOptions, validated
+from .options import DFlashDecodingConfig, LlmApiOptions, validated
 from .profiles import Profile, load_profile, profile_path
 
 KEEP = "keep"  # copy the checkpoint byte for byte (gpt-oss: native MXFP4 experts)
@@ -68,6 +68,11 @@ class BuildOptions:
     schedule_file: Path | None = None  # where draft_len_schedule came from (named in errors)
     # text or JSONL prompts to calibrate the target on instead of CALIBRATION_PROMPTS (fp8 / nvfp4)
     calibration_prompts_file: Path | None = None
+    schedule_measured_on: dict[str, str] | None = None  # {'machine', 'device'} of the bench (bench.schedule)
+    allow_foreign_schedule: bool = False  # use a schedule measured on another device class than the profile's
+    # the reference runtime's dflash-sa suffix-match threshold: our own metadata in manifest.json
+    # ("runtime"), never llm_api_options.yaml (TensorRT-LLM's DFlash config forbids unknown keys)
+    sa_threshold: int | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,10 @@ def plan_build(options: BuildOptions) -> BuildPlan:
     checks.check_tokenizers(pair)
     checks.check_quant(options.quant, profile, "--quant")
     checks.check_quant(options.drafter_quant, profile, "--drafter-quant")
+    checks.check_drafter_quant(options.drafter_quant, profile)
+    if options.draft_len_schedule is not None:
+        checks.check_schedule_device(options.schedule_measured_on, profile, options.schedule_file,
+                                     options.allow_foreign_schedule)
     checks.check_profile_hardware(llm_options, profile, str(profile_file))
     checks.check_parallel(llm_options, pair)
     return BuildPlan(options, pair, profile, profile_file, llm_options, input_amax, calibration_ids)
@@ -510,13 +519,17 @@ def manifest_content(plan: BuildPlan, sources: dict[str, Any]) -> dict[str, Any]
     return {
         "toolkit_version": trtllm_dflash.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "trtllm_versions": TRTLLM_VERSIONS,
+        "trtllm": trtllm_versions.requirements(plan.llm_options, plan.options.quant, plan.options.drafter_quant),
         "sources": sources,
         "options": options,
         "profile": plan.profile.model_dump(),
         "llm_api_options": OPTIONS_FILE,
         "drafter": {"block_size": drafter.block_size, "mask_token_id": drafter.mask_token_id,
                     "target_layer_ids": list(drafter.target_layer_ids)},
+        "schedule": None if plan.options.draft_len_schedule is None else {
+            "file": str(plan.options.schedule_file), "measured_on": plan.options.schedule_measured_on,
+            "foreign_allowed": plan.options.allow_foreign_schedule},
+        **({"runtime": {"sa_threshold": plan.options.sa_threshold}} if plan.options.sa_threshold else {}),
     }
 
 

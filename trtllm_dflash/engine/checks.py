@@ -14,6 +14,7 @@ from ..checkpoints.validate import Pair
 from ..errors import InputError
 from .options import LlmApiOptions
 from .profiles import Profile
+from .trtllm_versions import QUANT_KEEPS_DRAFTER_LOADABLE, QUANTIZED_DRAFTER_REASON
 
 TOKENIZER_FILE = "tokenizer.json"
 BLACKWELL = 100
@@ -91,6 +92,35 @@ def check_quant(recipe: str, profile: Profile, option: str) -> None:
         alternatives = HOPPER_ALTERNATIVES if sm >= 90 else "use --quant keep or none"
         raise InputError(f"{recipe!r} cannot run on the profile's {profile.gpu} (SM{sm}): {why}; {alternatives}.",
                          field=option)
+
+
+def check_drafter_quant(recipe: str, profile: Profile) -> None:
+    """A GPU profile is for TensorRT-LLM, which cannot load a quantized DFlash drafter."""
+    if recipe in QUANT_KEEPS_DRAFTER_LOADABLE or not profile.targets_trtllm:
+        return
+    raise InputError(f"{recipe!r} cannot be used with the profile {profile.name} ({profile.gpu}), which targets "
+                     f"TensorRT-LLM. {QUANTIZED_DRAFTER_REASON} Use --drafter-quant keep or none here, or build "
+                     "with --profile cpu-reference to measure a quantized drafter on the reference runtime (that "
+                     "engine is labelled reference-only).", field="--drafter-quant")
+
+
+def check_schedule_device(measured_on: dict[str, str] | None, profile: Profile, path: Path | None,
+                          allow_foreign: bool) -> None:
+    """A draft_len_schedule holds for the device class it was measured on: a CPU bench says nothing
+    about a B200 engine's batch costs."""
+    if allow_foreign:
+        return
+    expected = f"a {profile.gpu} GPU" if profile.targets_trtllm else "a CPU"
+    if not measured_on:
+        raise InputError("does not say where it was measured (fields 'machine' and 'device', written by "
+                         f"dflash-bench); the profile {profile.name} needs a schedule measured on {expected}. Pass "
+                         "--allow-foreign-schedule to use it anyway.", path=path, field="--schedule-from")
+    machine, device = measured_on.get("machine", "?"), measured_on.get("device", "?")
+    if not profile.runs_on(machine, device):
+        raise InputError(f"was measured on {machine} ({device}), but the profile {profile.name} runs on {expected}: "
+                         "the batch sizes where speculation pays off differ between devices. Measure on the "
+                         "profile's GPU, or pass --allow-foreign-schedule to use it anyway.", path=path,
+                         field="--schedule-from")
 
 
 def check_profile_hardware(options: LlmApiOptions, profile: Profile, path: str) -> None:

@@ -12,9 +12,11 @@ from ..checkpoints.gpt_oss import load_hf_gpt_oss
 from ..models.drafter import load_drafter
 from ..models.target import GptOssTarget
 from ..runtime.interface import Runtime, choose_backend
-from ..runtime.proposers import DFlashProposer
+from ..runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer, SuffixDFlashProposer
 from ..runtime.reference import ReferenceRuntime
+from ..errors import InputError
 from .manifest import Engine
+from .trtllm_versions import engine_requirements
 
 
 def engine_speculation(engine: Engine) -> tuple[int | None, dict[int, int] | None]:
@@ -27,18 +29,34 @@ def engine_speculation(engine: Engine) -> tuple[int | None, dict[int, int] | Non
 
 def reference_runtime(engine: Engine, device: torch.device, dtype: torch.dtype,
                       with_drafter: bool = True) -> ReferenceRuntime:
-    """DFlash with the engine's max_draft_len and schedule (or the autoregressive baseline)."""
+    """DFlash with suffix-automaton drafts (dflash-sa, the engine's threshold) and the engine's
+    max_draft_len and schedule (or the autoregressive baseline)."""
     target = GptOssTarget(load_hf_gpt_oss(engine.target_dir, device, dtype))
     if not with_drafter:
         return ReferenceRuntime(target, None)
     block, schedule = engine_speculation(engine)
-    drafter = load_drafter(engine.drafter_dir, device, dtype)
-    return ReferenceRuntime(target, DFlashProposer(drafter, target, block), draft_len_schedule=schedule)
+    dflash = DFlashProposer(load_drafter(engine.drafter_dir, device, dtype), target, block)
+    proposer = SuffixDFlashProposer(dflash, engine.sa_threshold or DEFAULT_SA_THRESHOLD)
+    return ReferenceRuntime(target, proposer, draft_len_schedule=schedule)
+
+
+def engine_backend(engine: Engine, requested: str) -> tuple[str, str]:
+    """-> (backend, why): `choose_backend`, except that an engine only the reference runtime can run
+    (a quantized drafter, see trtllm_versions) makes auto pick the reference runtime and refuses trtllm."""
+    chosen, reason = choose_backend(requested)
+    why = engine_requirements(engine.manifest).get("reference_only")
+    if chosen != "trtllm" or not why:
+        return chosen, reason
+    if requested == "trtllm":
+        raise InputError(f"this engine runs on the reference runtime only: {why}", path=engine.root / "manifest.json",
+                         field="--backend")
+    return "reference", "the engine is reference-only (quantized drafter)"
 
 
 def engine_runtime(engine: Engine, backend: str, device: torch.device, dtype: torch.dtype) -> tuple[Runtime, str]:
-    """-> (runtime, why this backend): TensorRT-LLM where it is installed with a supported GPU."""
-    chosen, reason = choose_backend(backend)
+    """-> (runtime, why this backend): TensorRT-LLM where it is installed with a supported GPU and
+    the engine allows it."""
+    chosen, reason = engine_backend(engine, backend)
     if chosen == "trtllm":
         from ..runtime.trtllm import TrtllmRuntime
 

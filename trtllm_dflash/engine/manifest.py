@@ -89,6 +89,15 @@ class Engine:
     def block_size(self) -> int:
         return int(self.manifest["drafter"]["block_size"])
 
+    @property
+    def sa_threshold(self) -> int | None:
+        """The reference runtime's dflash-sa threshold (`dflash-build --sa-threshold`); None: not set."""
+        value = self.manifest.get("runtime", {}).get("sa_threshold")
+        if value is not None and not (type(value) is int and value >= 1):
+            raise InputError(f"expected an integer >= 1, got {value!r}.", path=self.root / MANIFEST,
+                             field="runtime.sa_threshold")
+        return value
+
     def llm_api_options(self) -> LlmApiOptions:
         """The options with `speculative_model` resolved against the engine root (it is stored
         relative so the directory can move; TensorRT-LLM itself resolves it against its cwd)."""
@@ -127,6 +136,7 @@ def open_engine(path: str | Path, verify_checksums: bool = False) -> Engine:
         check_file(root, name, record, verify_checksums)
     engine = Engine(root, root / TARGET, root / DRAFTER, root / OPTIONS_FILE, manifest)
     engine.llm_api_options()  # parsed and validated here, so every command refuses a damaged options file
+    engine.sa_threshold  # read here too, so a damaged runtime section is refused on open
     return engine
 
 

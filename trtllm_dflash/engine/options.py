@@ -5,11 +5,13 @@ TensorRT-LLM validates it with strict pydantic models (`tensorrt_llm/llmapi/llm_
 the subset we write, one class per concept, with `extra="forbid"`, so a misspelt or stale key fails
 here at build time instead of at server start on a GPU host.
 
-Field names follow `llm_args.py` of TensorRT-LLM **1.3.0rc27 .. 1.4.x** (`TRTLLM_VERSIONS`), the
-range whose docs and source were read (DFlash is PyTorch-backend only and absent before 1.3.0rc).
-Within that range PR #12905 renamed the acceptance auto-disable pair; the source read uses
-`acceptance_rate_window_size` / `acceptance_rate_threshold` (a rate in [0, 1]), so the other
-spelling is refused with a message naming these.
+Field names follow `llm_args.py` of the TensorRT-LLM versions in `trtllm_versions.CHECKED_RANGE`
+(DFlash is PyTorch-backend only and absent before 1.3.0rc); what each version supports is in
+`trtllm_versions.SUPPORT`, and the build records the range an engine needs. PR #12905 renamed the
+acceptance auto-disable pair; the source read uses `acceptance_rate_window_size` /
+`acceptance_rate_threshold` (a rate in [0, 1]), so the other spelling is refused with a message
+naming these. `attention_backend: FA4` is accepted because 1.3.0rc27 and 1.4.0rc1 document it;
+newer sources dropped it, so an engine using it records that upper bound.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, NonNegativeInt
                       field_validator, model_validator)
 
 from ..errors import InputError
-
-TRTLLM_VERSIONS = ">=1.3.0rc27,<1.5"
+from .trtllm_versions import CHECKED_RANGE
 
 # Old spelling -> current spelling (llm_args.py DecodingBaseConfig, see module docstring).
 RENAMED_SPEC_FIELDS = {
@@ -31,6 +32,7 @@ RENAMED_SPEC_FIELDS = {
     "acceptance_length_threshold": "acceptance_rate_threshold",
 }
 
+DraftAttentionBackend = Literal["VANILLA", "TRTLLM", "FA4"]  # FA4: trtllm_versions.SUPPORT["dflash_attention_fa4"]
 MoeBackend = Literal["AUTO", "CUTLASS", "CUTEDSL", "TRTLLM", "DEEPGEMM", "DENSEGEMM", "VANILLA", "TRITON",
                      "MARLIN", "MEGAMOE_DEEPGEMM", "MEGAMOE_CUTEDSL"]
 
@@ -85,7 +87,7 @@ class DFlashDecodingConfig(Strict):
     speculative_model: str = Field(validation_alias=AliasChoices("speculative_model", "speculative_model_dir"))
     mask_token_id: NonNegativeInt | None = None
     target_layer_ids: list[NonNegativeInt] | None = None
-    attention_backend: Literal["VANILLA", "TRTLLM"] | None = None
+    attention_backend: DraftAttentionBackend | None = None
     max_concurrency: PositiveInt | None = None
     draft_len_schedule: dict[int, int] | None = None
     acceptance_rate_window_size: NonNegativeInt | None = None
@@ -98,7 +100,7 @@ class DFlashDecodingConfig(Strict):
         if isinstance(data, dict):
             for old, new in RENAMED_SPEC_FIELDS.items():
                 if old in data:
-                    raise ValueError(f"'{old}' was renamed to '{new}' in TensorRT-LLM {TRTLLM_VERSIONS} "
+                    raise ValueError(f"'{old}' was renamed to '{new}' in TensorRT-LLM {CHECKED_RANGE} "
                                      f"(PR #12905); use '{new}'")
         return data
 

@@ -9,15 +9,15 @@ package's `build_configs/` (installed wheel, shipped as package data).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Literal
 
 from pydantic import PositiveInt
 
 import trtllm_dflash
 
 from ..errors import InputError
-from .options import LlmApiOptions, Strict, read_yaml, validated
+from .options import DraftAttentionBackend, LlmApiOptions, Strict, read_yaml, validated
 
 PACKAGE_ROOT = Path(trtllm_dflash.__file__).resolve().parent
 PROFILE_DIRS = (PACKAGE_ROOT.parent / "build_configs", PACKAGE_ROOT / "build_configs")
@@ -27,7 +27,7 @@ class SpeculativeDefaults(Strict):
     """DFlash settings a profile may fix; the rest comes from the drafter's config."""
 
     max_draft_len: PositiveInt | None = None  # None: drafter block_size - 1
-    attention_backend: Literal["VANILLA", "TRTLLM"] | None = None
+    attention_backend: DraftAttentionBackend | None = None
     max_concurrency: PositiveInt | None = None
     draft_len_schedule: dict[int, int] | None = None
 
@@ -40,6 +40,23 @@ class Profile(Strict):
     sources: list[str]
     llm_api_options: LlmApiOptions
     speculative: SpeculativeDefaults = SpeculativeDefaults()
+
+    @property
+    def targets_trtllm(self) -> bool:
+        """A GPU profile is for TensorRT-LLM; one without an SM (cpu-reference) for the reference runtime."""
+        return self.sm is not None
+
+    def runs_on(self, machine: str, device: str) -> bool:
+        """Whether a machine (`torch.cuda.get_device_name`, or 'N-core ... CPU' with device 'cpu', as
+        dflash-bench records them) is of this profile's device class: its GPU by name, or a CPU."""
+        if not self.targets_trtllm:
+            return device == "cpu"
+        return device != "cpu" and gpu_named(self.gpu, machine)
+
+
+def gpu_named(gpu: str, machine: str) -> bool:
+    """'B200' names 'NVIDIA B200' but not 'NVIDIA GB200' (whole words, case-insensitive)."""
+    return re.search(rf"(?<![A-Za-z0-9]){re.escape(gpu)}(?![A-Za-z0-9])", machine, re.IGNORECASE) is not None
 
 
 def profile_dirs() -> list[Path]:
@@ -68,3 +85,12 @@ def profile_path(name_or_file: str | Path) -> Path:
 def load_profile(name_or_file: str | Path) -> Profile:
     path = profile_path(name_or_file)
     return validated(Profile, read_yaml(path), path)
+
+
+def profile_for_gpu(device_name: str) -> str | None:
+    """The first shipped profile (by name: latency before throughput) for a detected GPU, if any."""
+    for name in available_profiles():
+        profile = load_profile(name)
+        if profile.targets_trtllm and gpu_named(profile.gpu, device_name):
+            return name
+    return None

@@ -21,6 +21,7 @@ from transformers import Qwen3Config
 
 from ..checkpoints.hf import load_state_dict, read_json, require
 from ..errors import InputError
+from ..quant.recipes import is_gpt_oss
 from .kv_cache import KVArena
 from .rope import Rotary, apply_rotary
 from .target import sink_attention
@@ -62,6 +63,10 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], path: Path | str = "config.json") -> "DFlashConfig":
         path = Path(path)
+        if is_gpt_oss(raw):
+            raise InputError("this is a target checkpoint (gpt-oss), not a DFlash drafter: pass it as --target, and as "
+                             "--drafter a directory whose config.json has block_size and dflash_config.", path=path,
+                             field="model_type")
         ints = {k: require(raw, k, int, path) for k in
                 ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                  "intermediate_size", "block_size", "num_target_layers")}

@@ -2,7 +2,9 @@
 
 A proposer sees the batch through a few calls and keeps whatever per-request state it needs:
 `start` after prefill, `propose` before each verify, `commit` after it, `keep_rows` when finished
-requests leave the batch. The DFlash proposer is the product; test proposers reuse the interface.
+requests leave the batch. The DFlash proposer is the product, alone or with suffix-automaton drafts
+(`SuffixDFlashProposer`); n-gram prompt lookup is the draft-model-free baseline; test proposers reuse
+the interface.
 """
 
 from __future__ import annotations
@@ -11,16 +13,18 @@ from typing import Protocol
 
 import torch
 
+from ..errors import InputError
 from ..models.drafter import DFlashDrafter
 from ..models.target import GptOssTarget
 from .accept import sample_from_probs
 from .sampling import SamplingParams, probabilities
+from .suffix_index import SuffixIndex
 
 
 class Proposer(Protocol):
     num_drafts: int  # the most drafts per block (block_size - 1); a step may ask for fewer
     feature_layers: list[int]  # target layers whose outputs the proposer consumes
-    needs_history: bool  # whether `propose` reads the committed tokens (building them costs a copy)
+    needs_history: bool  # whether `propose` reads the committed tokens
 
     def start(self, features: torch.Tensor | None, prompt_lens: torch.Tensor, capacity: int) -> None: ...
 
@@ -29,7 +33,8 @@ class Proposer(Protocol):
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> draft tokens [b, num_drafts] and, when sampling, the distributions they were drawn from
         [b, num_drafts, V] (None means the drafts are deterministic: q is one-hot). `history` holds
-        each request's committed tokens (prompt, outputs, anchor last)."""
+        each request's committed tokens (prompt, outputs, anchor last): the loop's own lists, grown
+        in place from step to step, so a proposer can read just the new tail (never modify them)."""
         ...
 
     def commit(self, features: torch.Tensor | None, num_accepted: torch.Tensor) -> None:
@@ -63,11 +68,16 @@ class DFlashProposer:
         self.context_lens = torch.zeros_like(prompt_lens)
         self.pending, self.pending_lens = features, prompt_lens.clone()
 
-    def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
-        offsets = torch.arange(self.pending.shape[1], device=anchors.device)
+    def write_pending_context(self) -> None:
+        """Write the queued committed positions' context K/V (before drafting, and on steps whose
+        drafts come from elsewhere, so the draft cache never falls behind the committed tokens)."""
+        offsets = torch.arange(self.pending.shape[1], device=self.context_lens.device)
         self.drafter.write_context(self.pending, self.context_lens[:, None] + offsets, self.cache)
         self.context_lens += self.pending_lens
         self.pending, self.pending_lens = self.pending[:, :0], torch.zeros_like(self.pending_lens)
+
+    def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
+        self.write_pending_context()
         width = num_drafts + 1
         block = torch.full((len(anchors), width), self.mask_token_id, dtype=anchors.dtype, device=anchors.device)
         block[:, 0] = anchors
@@ -138,3 +148,63 @@ class NGramProposer:
 
     def keep_rows(self, rows):
         pass
+
+
+DEFAULT_SA_THRESHOLD = 2  # chosen by measurement: docs/benchmarks.md, "Suffix-automaton hybrid drafting"
+
+
+class SuffixDFlashProposer:
+    """DFlash with suffix-automaton drafting (`--draft-method dflash-sa`): per request and step,
+    when the longest suffix of the committed sequence that occurred earlier (prompt or output) is
+    at least `threshold` tokens, the tokens that followed that occurrence are the drafts (q is
+    one-hot: deterministic), otherwise the DFlash drafter's. The choice depends on committed tokens
+    only, so rejection sampling stays exact whichever source a row takes.
+
+    Each request has a `SuffixIndex` that reads only the tokens committed since the last step.
+    When every row takes suffix drafts the drafter's block forward is skipped, but its context K/V
+    of the committed tokens is still written. `suffix_rows` says which rows of the last `propose`
+    took suffix drafts (the loop counts them per request as `suffix_steps`).
+    """
+
+    needs_history = True
+
+    def __init__(self, dflash: DFlashProposer, threshold: int = DEFAULT_SA_THRESHOLD):
+        if threshold < 1:
+            raise InputError(f"expected at least 1, got {threshold}.", field="sa_threshold")
+        self.dflash, self.threshold = dflash, threshold
+        self.num_drafts, self.feature_layers = dflash.num_drafts, dflash.feature_layers
+        self.suffix_rows: list[bool] = []
+
+    def start(self, features, prompt_lens, capacity):
+        self.dflash.start(features, prompt_lens, capacity)
+        self.indexes = [SuffixIndex() for _ in range(len(prompt_lens))]
+
+    def suffix_drafts(self, history: list[list[int]], num_drafts: int) -> list[list[int] | None]:
+        """Per row: the suffix match's continuation, or None where the match is shorter than the threshold."""
+        drafts = []
+        for index, sequence in zip(self.indexes, history):
+            index.extend(sequence[len(index):])  # only what was committed since the last step
+            drafts.append(index.continuation(num_drafts) if index.match_length() >= self.threshold else None)
+        return drafts
+
+    def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
+        matched = self.suffix_drafts(history, num_drafts)
+        self.suffix_rows = [row is not None for row in matched]
+        if all(self.suffix_rows):
+            self.dflash.write_pending_context()
+            return torch.tensor(matched, dtype=anchors.dtype, device=anchors.device), None
+        drafts, q = self.dflash.propose(anchors, anchor_positions, history, num_drafts, params, generator)
+        if any(self.suffix_rows):
+            rows = torch.tensor([i for i, row in enumerate(matched) if row is not None], device=anchors.device)
+            suffix = torch.tensor([row for row in matched if row is not None], dtype=drafts.dtype, device=drafts.device)
+            drafts[rows] = suffix
+            if q is not None:
+                q[rows] = torch.nn.functional.one_hot(suffix, q.shape[-1]).to(q.dtype)
+        return drafts, q
+
+    def commit(self, features, num_accepted):
+        self.dflash.commit(features, num_accepted)
+
+    def keep_rows(self, rows):
+        self.dflash.keep_rows(rows)
+        self.indexes = [self.indexes[i] for i in rows.tolist()]

@@ -112,6 +112,8 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
     capacity = max(len(p) for p in prompts) + params.max_tokens + block_size
     stats = [RequestStats(block_size) for _ in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]
+    # each request's committed tokens, grown in place: a proposer reads only what is new
+    sequences = [list(p) for p in prompts] if proposer is not None and proposer.needs_history else None
     finish: list[str | None] = [None] * len(prompts)
 
     def commit(request: int, new_tokens: list[int]) -> None:
@@ -125,6 +127,8 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
                 finish[request] = "length"
                 break
         outputs[request].extend(taken)
+        if sequences is not None:
+            sequences[request].extend(taken)
         if on_tokens is not None:
             on_tokens(request, taken)
 
@@ -170,11 +174,13 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
                 anchors, positions = anchors[index], positions[index]
             most = 0 if proposer is None else proposer.num_drafts
             num_drafts = draft_length(draft_len_schedule, len(rows), most)
-            history = [list(prompts[r]) + outputs[r] for r in rows] if num_drafts and proposer.needs_history else []
+            history = [sequences[r] for r in rows] if num_drafts and sequences is not None else []
             drafts, num_accepted, bonus = verify_step(target, cache, proposer, anchors, positions, history,
                                                       num_drafts, params, generator, step_times)
-            for request, a, draft_row, bonus_token in zip(rows, num_accepted.tolist(), drafts.tolist(), bonus.tolist()):
-                stats[request].record_step(a)
+            from_suffix = getattr(proposer, "suffix_rows", None) if num_drafts else None
+            for row, (request, a, draft_row, bonus_token) in enumerate(
+                    zip(rows, num_accepted.tolist(), drafts.tolist(), bonus.tolist())):
+                stats[request].record_step(a, from_suffix=bool(from_suffix and from_suffix[row]))
                 commit(request, draft_row[:a] + [bonus_token])
             anchors, positions = bonus, positions + num_accepted + 1
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ to (block_size - 1) / steps). Token rates count returned tokens only.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 
@@ -22,14 +23,16 @@ class RequestStats:
     prefill_time: float = 0.0
     requests: int = 1  # > 1 for totals: each request's first token comes from prefill
     decode_time: float = 0.0
+    suffix_steps: int = 0  # steps whose drafts came from the suffix index (dflash-sa), not the drafter
 
     def __post_init__(self):
         if not self.accepted_histogram:
             self.accepted_histogram = [0] * self.block_size
 
-    def record_step(self, num_accepted: int) -> None:
+    def record_step(self, num_accepted: int, from_suffix: bool = False) -> None:
         self.accepted_histogram[num_accepted] += 1
         self.accepted_per_step.append(num_accepted)
+        self.suffix_steps += from_suffix
 
     @property
     def steps(self) -> int:
@@ -62,17 +65,19 @@ class RequestStats:
             self.accepted_histogram[a] += n
         self.num_output_tokens += other.num_output_tokens
         self.requests += other.requests
+        self.suffix_steps += other.suffix_steps
 
     def to_dict(self) -> dict:
         return {
             "steps": self.steps,
-            "acceptance_length": self.acceptance_length,
+            "acceptance_length": self.acceptance_length if self.steps else None,  # no verify step: no tau
             "acceptance_histogram": list(self.accepted_histogram),
             "per_position_acceptance": self.per_position_acceptance,
             "num_output_tokens": self.num_output_tokens,
             "prefill_time_s": self.prefill_time,
             "decode_time_s": self.decode_time,
             "decode_tokens_per_s": self.decode_tokens_per_s,
+            "suffix_steps": self.suffix_steps,
         }
 
 
@@ -99,6 +104,24 @@ def total_stats(results: list[GenerationResult], batch_size: int) -> RequestStat
         total.prefill_time += max(s.prefill_time for s in batch)
         total.decode_time += max(s.decode_time for s in batch)
     return total
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A speed-up measured over interleaved repeats: the median and its min..max."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Spread":
+        return cls(statistics.median(values), min(values), max(values))
+
+    @property
+    def wider_than_effect(self) -> bool:
+        """The repeats disagree by more than the speed-up differs from 1.0x: noise, not a result."""
+        return self.high - self.low > abs(self.median - 1.0)
 
 
 class GenerationInterrupted(Exception):

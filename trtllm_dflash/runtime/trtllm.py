@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..engine.trtllm_versions import (FIRST_DOCUMENTED_WITH_DFLASH, FIRST_SERIES_WITH_DFLASH, NEWEST_CHECKED, PROBES,
+                                      check_installed, engine_requirements, parse_version)
 from ..errors import InputError, MissingDependencyError
 from .interface import OnTokens, check_request
 from .sampling import SamplingParams
@@ -46,17 +48,8 @@ from .stats import GenerationResult, RequestStats
 OPTIONS_FILE = "llm_api_options.yaml"
 TARGET_DIR = "target"
 
-# Versions. DFlash first shipped inside the 1.3.0rc pre-release series (PR #12794, merged
-# April 2026; the exact rc is not pinned by any source we could read, estimates say rc11-rc13).
-# 1.0, 1.1 and 1.2.x never had it. So: below the 1.3.0 pre-release series is refused outright;
-# inside it, `DFlashDecodingConfig` must import (the definitive check); 1.3.0rc27 is the first
-# release whose documentation lists DFlash; 1.4.0rc1 is the newest release checked.
-FIRST_SERIES_WITH_DFLASH = "1.3.0rc0"
-FIRST_DOCUMENTED_WITH_DFLASH = "1.3.0rc27"
-NEWEST_CHECKED = "1.4.0rc1"
-
-INSTALL_HINT = ("Install TensorRT-LLM >= 1.3.0rc27 on a Linux host with an NVIDIA GPU (Hopper or Blackwell) "
-                "from NVIDIA's package index (`pip install tensorrt-llm --extra-index-url https://pypi.nvidia.com`) "
+INSTALL_HINT = (f"Install TensorRT-LLM >= {FIRST_DOCUMENTED_WITH_DFLASH} on a Linux host with an NVIDIA GPU "
+                "(Hopper or Blackwell) from NVIDIA's package index (`pip install tensorrt-llm --extra-index-url https://pypi.nvidia.com`) "
                 "or use the NGC container nvcr.io/nvidia/tensorrt-llm/release; the PyPI packages are "
                 "download stubs. See docs/trtllm.md.")
 
@@ -65,37 +58,70 @@ INSTALL_HINT = ("Install TensorRT-LLM >= 1.3.0rc27 on a Linux host with an NVIDI
 # Versions
 # --------------------------------------------------------------------------------------------
 
-_VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?(?:\.?(a|b|rc|dev)\.?(\d*))?(?:\.?post(\d+))?(?:\+.*)?\s*$")
-_PRE_RANK = {"dev": 0, "a": 1, "b": 2, "rc": 3, None: 4}
-
-
-def parse_version(version: str) -> tuple[int, int, int, int, int, int]:
-    """'1.3.0rc11' -> a tuple that sorts like PEP 440 for the forms TensorRT-LLM uses
-    (X.Y.Z, X.Y.ZrcN, X.Y.Z.devN, X.Y.ZrcN.postM, optional +local)."""
-    match = _VERSION_RE.match(str(version))
-    if not match:
-        raise InputError(f"cannot read TensorRT-LLM version {version!r} (expected e.g. 1.3.0rc27).",
-                         field="tensorrt_llm.__version__")
-    major, minor, patch, pre, pre_num, post = match.groups()
-    return (int(major), int(minor), int(patch or 0), _PRE_RANK[pre], int(pre_num or 0), int(post or 0))
-
-
-def check_version(version: str) -> list[str]:
-    """Refuse versions without DFlash; return warnings (possibly empty) for the ones we allow."""
-    parsed = parse_version(version)
-    if parsed < parse_version(FIRST_SERIES_WITH_DFLASH):
+def check_version(version: str, requirements: Mapping | None = None) -> list[str]:
+    """Refuse versions without DFlash or outside the engine's range (its manifest's `trtllm`
+    section; without one, what every engine needs); return warnings for the ones we allow. The
+    version facts themselves are engine/trtllm_versions.py."""
+    if parse_version(version) < parse_version(FIRST_SERIES_WITH_DFLASH):
         raise MissingDependencyError(
             f"TensorRT-LLM with DFlash (1.3.0rc series or newer; found {version})",
             "the trtllm backend",
             "DFlash speculative decoding is not in TensorRT-LLM 1.0-1.2.x. " + INSTALL_HINT)
-    warnings = []
-    if parsed < parse_version(FIRST_DOCUMENTED_WITH_DFLASH):
-        warnings.append(f"TensorRT-LLM {version} predates {FIRST_DOCUMENTED_WITH_DFLASH}, the first release whose "
-                        "documentation lists DFlash; it is used only if DFlashDecodingConfig imports.")
-    if parsed > parse_version(NEWEST_CHECKED):
-        warnings.append(f"TensorRT-LLM {version} is newer than {NEWEST_CHECKED}, the newest version this toolkit "
-                        "was checked against; field names may have changed.")
-    return warnings
+    check_installed(version, engine_requirements({}) if requirements is None else requirements)
+    if parse_version(version) > parse_version(NEWEST_CHECKED):
+        return [f"TensorRT-LLM {version} is newer than {NEWEST_CHECKED}, the newest version this toolkit was "
+                "checked against; field names may have changed."]
+    return []
+
+
+def read_requirements(engine_dir: Path) -> dict:
+    """The engine's TensorRT-LLM requirements (engine/trtllm_versions.py), refusing an engine that
+    only the reference runtime can run, before TensorRT-LLM is even imported."""
+    import json
+
+    path = engine_dir / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        raise InputError("not valid JSON; rebuild the engine with dflash-build.", path=path) from None
+    requirements = engine_requirements(manifest if isinstance(manifest, dict) else {})
+    if requirements.get("reference_only"):
+        raise InputError(f"this engine runs on the reference runtime only: {requirements['reference_only']} "
+                         "Run it with --backend reference, or rebuild with --drafter-quant keep.", path=path,
+                         field="trtllm.reference_only")
+    return requirements
+
+
+def check_probes(features: Sequence[str]) -> None:
+    """Capabilities whose first release is not pinned are looked for in the installed TensorRT-LLM."""
+    for feature in features:
+        if feature not in PROBES:
+            continue
+        module_name, attributes = PROBES[feature]
+        try:
+            found = importlib.import_module(module_name)
+            for attribute in attributes.split("."):
+                found = getattr(found, attribute)
+        except (ImportError, AttributeError):
+            raise MissingDependencyError(f"TensorRT-LLM with {module_name}.{attributes}", f"this engine ({feature})",
+                                         "The installed TensorRT-LLM cannot load NVFP4 gpt-oss experts; install a "
+                                         "newer one or rebuild with --quant keep or mxfp4.") from None
+
+
+def ignored_engine_settings(engine_dir: str | Path) -> list[str]:
+    """Notes for the reference-runtime settings an engine's manifest carries ("runtime" section):
+    TensorRT-LLM's DFlash has no suffix-automaton drafting, so `sa_threshold` is ignored here."""
+    from ..checkpoints.hf import read_json
+    from ..engine.manifest import MANIFEST
+
+    path = Path(engine_dir) / MANIFEST
+    if not path.is_file():
+        return []
+    threshold = read_json(path).get("runtime", {}).get("sa_threshold")
+    if threshold is None:
+        return []
+    return [f"the engine's sa_threshold ({threshold}) is a setting of the reference runtime's dflash-sa drafting; "
+            "the trtllm backend runs DFlash without suffix-automaton drafts and ignores it."]
 
 
 # --------------------------------------------------------------------------------------------
@@ -498,9 +524,11 @@ class TrtllmRuntime:
 
     def __init__(self, engine_dir: str | Path, **overrides):
         self.engine_dir = Path(engine_dir)
+        requirements = read_requirements(self.engine_dir)
         trtllm = import_tensorrt_llm()
         self.version = str(getattr(trtllm, "__version__", "0"))
-        self.warnings = check_version(self.version)
+        self.warnings = check_version(self.version, requirements) + ignored_engine_settings(self.engine_dir)
+        check_probes(requirements.get("features") or [])
         spec_cls = dflash_config_class(trtllm)
         options = read_options(self.engine_dir)
         self.llm_kwargs = llm_kwargs(self.engine_dir, options, overrides, spec_config_cls=spec_cls,

@@ -3,7 +3,8 @@
     <repo>/dflash/config.pbtxt   python backend, decoupled (streaming), tensors from service.py
     <repo>/dflash/1/model.py     serves the engine through trtllm_dflash's Runtime interface
     <repo>/dflash/1/model.yaml   the engine's LLM-API options + `model` + `triton_config`, as
-                                 Triton's llmapi `model.py` reads them
+                                 Triton's llmapi `model.py` reads them, with absolute paths;
+                                 stand-alone repositories only (see write_model_repository)
 
 The engine is found through the `engine_dir` parameter, resolved against the model directory:
 `../..` inside an engine (`<engine>/triton/dflash` -> `<engine>`, so the engine stays relocatable),
@@ -54,17 +55,14 @@ def render_config(engine_ref: str, model_name: str = MODEL_NAME, run: ModelParam
             f"instance_group [\n  {{\n    count: 1\n    kind: KIND_MODEL\n  }}\n]\n{params}\n")
 
 
-def render_model_yaml(options: LlmApiOptions, engine_root: Path | None) -> str:
-    """Paths are relative to the engine directory (engine_root None) or absolute under engine_root."""
-    def ref(name: str) -> str:
-        return name if engine_root is None else str(engine_root / name)
-
+def render_model_yaml(options: LlmApiOptions, engine_root: Path) -> str:
+    """Absolute paths under engine_root: Triton's llmapi model.py hands them to LLM() as they are."""
     data = options.to_dict()
-    if "speculative_config" in data:
-        data["speculative_config"]["speculative_model"] = ref(data["speculative_config"]["speculative_model"])
-    document = {"model": ref("target"), **data, "triton_config": {"max_batch_size": 0, "decoupled": True}}
-    note = "# Paths are relative to the engine directory.\n" if engine_root is None else ""
-    return note + yaml.safe_dump(document, sort_keys=False)
+    spec = data.get("speculative_config")
+    if spec is not None:
+        spec["speculative_model"] = str(engine_root / spec["speculative_model"])
+    document = {"model": str(engine_root / "target"), **data, "triton_config": {"max_batch_size": 0, "decoupled": True}}
+    return yaml.safe_dump(document, sort_keys=False)
 
 
 def write_model_repository(repo: Path, engine_ref: str, options: LlmApiOptions, engine_root: Path | None,
@@ -73,5 +71,9 @@ def write_model_repository(repo: Path, engine_ref: str, options: LlmApiOptions, 
     version.mkdir(parents=True)
     (repo / model_name / "config.pbtxt").write_text(render_config(engine_ref, model_name, run))
     shutil.copyfile(MODEL_SOURCE, version / "model.py")
-    (version / "model.yaml").write_text(render_model_yaml(options, engine_root))
+    # Inside a relocatable engine (engine_root None) there is no path Triton's llmapi model.py could
+    # resolve (it passes `model` to LLM() against the server's cwd), and our model.py reads the
+    # engine itself, so no model.yaml is written there.
+    if engine_root is not None:
+        (version / "model.yaml").write_text(render_model_yaml(options, engine_root))
     return repo

@@ -1,0 +1,209 @@
+"""dflash-sa: suffix-automaton drafts where the committed sequence repeats itself, DFlash otherwise.
+
+The suffix index is checked against a brute-force longest match; the hybrid is token-identical to
+greedy `generate` on a random and the embedded pair with suffix and neural rows mixed in one batch, reaches tau = block_size on a
+forced repeat, and leaves the drafter's context exactly as a fresh prefill would.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trtllm_dflash.errors import InputError
+from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
+from trtllm_dflash.models.target import GptOssTarget
+from trtllm_dflash.runtime.proposers import DFlashProposer, SuffixDFlashProposer
+from trtllm_dflash.runtime.reference import ReferenceRuntime, prefill
+from trtllm_dflash.runtime.sampling import SamplingParams
+from trtllm_dflash.runtime.suffix_index import SuffixIndex
+
+
+def brute_force_match(sequence: list[int]) -> int:
+    """Longest L such that the last L tokens also occur ending before the last position."""
+    n = len(sequence)
+    for length in range(n - 1, 0, -1):
+        suffix = sequence[n - length:]
+        if any(sequence[end - length + 1: end + 1] == suffix for end in range(length - 1, n - 1)):
+            return length
+    return 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=60), st.integers(1, 8))
+def test_suffix_index_matches_brute_force(sequence, count):
+    index = SuffixIndex()
+    for n, token in enumerate(sequence, start=1):
+        index.append(token)
+        prefix = sequence[:n]
+        length = index.match_length()
+        assert length == brute_force_match(prefix)
+        if length:
+            end = index.match_end
+            assert end < n - 1 and prefix[end - length + 1: end + 1] == prefix[n - length:]
+            extended = prefix + index.continuation(count)
+            # the drafts copy what followed the earlier occurrence, continuing through themselves
+            assert extended[n:] == [extended[end + 1 + j] for j in range(count)]
+
+
+def test_suffix_index_prefers_a_recent_occurrence():
+    index = SuffixIndex([5, 1, 2, 7, 1, 2, 8, 1, 2])
+    assert index.match_length() == 2 and index.continuation(2) == [8, 1]
+    index.extend([3, 9, 9, 9])
+    assert index.match_length() == 2 and index.continuation(3) == [9, 9, 9]  # overlapping loop
+
+
+class RecordingHybrid(SuffixDFlashProposer):
+    """Keeps which rows took suffix drafts at every step."""
+
+    def __init__(self, dflash, threshold):
+        super().__init__(dflash, threshold)
+        self.steps: list[list[bool]] = []
+
+    def propose(self, *args):
+        out = super().propose(*args)
+        self.steps.append(list(self.suffix_rows))
+        return out
+
+
+@pytest.fixture(scope="module")
+def random_pair():
+    config = tiny_target_config(vocab_size=24, eos_token_id=23)
+    hf = random_target(config, 31).float()
+    drafter = random_drafter(drafter_config_for(config, block_size=4), 32)
+    gen = torch.Generator().manual_seed(33)
+    lengths = torch.randint(2, 30, (16,), generator=gen).tolist()
+    prompts = [torch.randint(0, 23, (n,), generator=gen).tolist() for n in lengths]
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                max_new_tokens=24, do_sample=False, eos_token_id=None,
+                                pad_token_id=config.pad_token_id)[0, len(p):].tolist() for p in prompts]
+    return GptOssTarget(hf), drafter, prompts, expected
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_hybrid_greedy_matches_generate_with_mixed_rows(random_pair, batch_size):
+    target, drafter, prompts, expected = random_pair
+    proposer = RecordingHybrid(DFlashProposer(drafter, target), threshold=2)
+    runtime = ReferenceRuntime(target, proposer)
+    results = runtime.generate(prompts, SamplingParams(max_tokens=24), batch_size=batch_size)
+    assert [r.output_token_ids for r in results] == expected
+    suffix_steps = sum(r.stats.suffix_steps for r in results)
+    assert 0 < suffix_steps < sum(r.stats.steps for r in results)  # both sources were used
+    if batch_size > 1:
+        assert any(any(step) and not all(step) for step in proposer.steps), "no step mixed suffix and neural rows"
+
+
+@pytest.fixture(scope="module")
+def embedded_pair():
+    from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
+    from trtllm_dflash.embedded import heldout_prompts, pair_paths
+    from trtllm_dflash.models.drafter import load_drafter
+    from trtllm_dflash.prompts import prompt_token_ids
+
+    target_dir, drafter_dir = pair_paths()
+    hf = load_hf_gpt_oss(target_dir, torch.device("cpu"), torch.float32)
+    prompts = prompt_token_ids(heldout_prompts(8), target_dir)
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                max_new_tokens=32, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    return GptOssTarget(hf), load_drafter(drafter_dir, torch.device("cpu"), torch.float32), prompts, expected
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_hybrid_on_the_embedded_pair_matches_generate(embedded_pair, batch_size):
+    target, drafter, prompts, expected = embedded_pair
+    proposer = RecordingHybrid(DFlashProposer(drafter, target), threshold=2)
+    results = ReferenceRuntime(target, proposer).generate(prompts, SamplingParams(max_tokens=32), batch_size=batch_size)
+    assert [r.output_token_ids for r in results] == expected
+    assert 0 < sum(r.stats.suffix_steps for r in results) < sum(r.stats.steps for r in results)
+    if batch_size > 1:
+        assert any(any(step) and not all(step) for step in proposer.steps), "no step mixed suffix and neural rows"
+
+
+def counting_pair(vocab: int = 16):
+    """A target forced to count (next token = token + 1 mod vocab, whatever the context): a large
+    one-hot embedding dominates the residual stream and the LM head reads it shifted by one."""
+    config = tiny_target_config(vocab_size=vocab, hidden_size=64, eos_token_id=vocab - 1)
+    hf = random_target(config, 41).float()
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.zero_()
+        hf.lm_head.weight.zero_()
+        for token in range(vocab):
+            hf.model.embed_tokens.weight[token, token] = 50.0
+            hf.lm_head.weight[(token + 1) % vocab, token] = 50.0
+    return GptOssTarget(hf), random_drafter(drafter_config_for(config, block_size=6), 42)
+
+
+def test_a_forced_repeat_takes_suffix_drafts_and_reaches_block_size():
+    target, drafter = counting_pair()
+    prompt = list(range(16)) + list(range(4))  # one full cycle, then the loop resumes
+    params = SamplingParams(max_tokens=40)
+    expected = [(4 + i) % 16 for i in range(40)]
+    hybrid = ReferenceRuntime(target, SuffixDFlashProposer(DFlashProposer(drafter, target), threshold=2))
+    (result,) = hybrid.generate([prompt], params)
+    assert result.output_token_ids == expected
+    assert result.stats.suffix_steps == result.stats.steps
+    assert result.stats.accepted_per_step[:-1] == [5] * (result.stats.steps - 1)  # every draft kept: tau = 6
+    (plain,) = ReferenceRuntime(target, DFlashProposer(drafter, target)).generate([prompt], params)
+    assert plain.output_token_ids == expected and plain.stats.acceptance_length < 2  # the random drafter can't
+    # next to a request without a repeat yet (neural drafts until it wraps around): still every draft kept
+    looping, fresh = hybrid.generate([prompt, [0]], params, batch_size=2)
+    assert looping.output_token_ids == expected and fresh.output_token_ids == [(1 + i) % 16 for i in range(40)]
+    assert looping.stats.accepted_per_step[:-1] == [5] * (looping.stats.steps - 1)
+    assert 0 < fresh.stats.suffix_steps < fresh.stats.steps
+
+
+class ScriptedHybrid(SuffixDFlashProposer):
+    """Suffix drafts (whatever the match) for the first `suffix_steps` steps, the drafter afterwards;
+    records the drafter's distributions and the committed sequence at the first neural step, and
+    whether the draft cache covered positions [0, anchor) after every suffix-only step (the
+    invariant DFlashProposer documents for its own steps)."""
+
+    def __init__(self, dflash, suffix_steps):
+        super().__init__(dflash, threshold=1)
+        self.remaining, self.seen, self.context_current = suffix_steps, None, []
+
+    def suffix_drafts(self, history, num_drafts):
+        drafts = super().suffix_drafts(history, num_drafts)
+        self.remaining -= 1
+        return [row or [0] * num_drafts for row in drafts] if self.remaining >= 0 else [None] * len(drafts)
+
+    def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
+        drafts, q = super().propose(anchors, anchor_positions, history, num_drafts, params, generator)
+        if all(self.suffix_rows):
+            self.context_current.append(bool((self.dflash.context_lens == anchor_positions).all()))
+        if self.seen is None and not any(self.suffix_rows):
+            self.seen = ([list(h) for h in history], anchor_positions.clone(), q)
+        return drafts, q
+
+
+def test_drafter_context_is_complete_after_suffix_only_steps(random_pair):
+    """After 5 suffix-only steps, the drafter's distributions equal those of a fresh DFlash
+    proposer whose context is the prefill of the whole committed sequence."""
+    target, drafter, prompts, _ = random_pair
+    params = SamplingParams(max_tokens=30, temperature=1.0)
+    scripted = ScriptedHybrid(DFlashProposer(drafter, target), suffix_steps=5)
+    ReferenceRuntime(target, scripted).generate(prompts[:3], params, batch_size=3)
+    assert scripted.context_current == [True] * 5  # written on the suffix-only steps, not deferred
+    history, positions, q = scripted.seen
+    assert (positions >= torch.tensor([len(p) for p in prompts[:3]]) + 5).all()  # the steps committed tokens
+    fresh = DFlashProposer(drafter, target)
+    with torch.inference_mode():
+        context = [h[:-1] for h in history]  # the anchor reaches the drafter as the block's first token
+        capacity = max(map(len, history)) + 8
+        _, _, features, lens = prefill(target, context, fresh.feature_layers, capacity)
+        fresh.start(features, lens, capacity)
+        anchors = torch.tensor([h[-1] for h in history])
+        _, q_fresh = fresh.propose(anchors, positions, history, scripted.num_drafts, params,
+                                   torch.Generator().manual_seed(0))
+    assert torch.allclose(q, q_fresh, atol=1e-5)
+
+
+def test_threshold_below_one_is_refused(random_pair):
+    target, drafter, _, _ = random_pair
+    with pytest.raises(InputError, match="sa_threshold"):
+        SuffixDFlashProposer(DFlashProposer(drafter, target), threshold=0)

@@ -1,0 +1,84 @@
+"""An incremental suffix index over one request's committed tokens (a suffix automaton).
+
+The hybrid drafter asks, before each verify step: what is the longest suffix of the committed
+sequence that also occurred earlier, and which tokens followed that earlier occurrence? A suffix
+automaton answers both in O(1) after each appended token, and appending is O(1) amortised
+(Blumer et al. 1985): no rescan of the history, however long it grows.
+
+Why it works: every state groups the substrings that end at the same set of positions; the state
+of the whole sequence ends only at the newest position, so its suffix link is the state of the
+longest suffix that also ends somewhere earlier. Each state keeps one position where its
+substrings end, refreshed each time the state is that answer (a clone inherits its original's):
+a recent occurrence, known without a search. Recent beats first: on the embedded pair, drafts
+copied after the most recent occurrence are accepted more often (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+
+class SuffixIndex:
+    """Append tokens with `extend`; `match_length` and `continuation` describe the longest suffix
+    that occurred earlier. Lists of plain ints: the per-token work is a few dict operations."""
+
+    def __init__(self, tokens: list[int] | None = None):
+        self.tokens: list[int] = []
+        self.next: list[dict[int, int]] = [{}]  # per state: token -> state
+        self.link: list[int] = [-1]  # suffix link (-1 for the root)
+        self.length: list[int] = [0]  # longest substring of the state
+        self.end: list[int] = [-1]  # per state: where (the last token of) a recent occurrence ends
+        self.last = 0  # state of the whole sequence
+        self.match_end = -1  # where the longest suffix occurring earlier ends there (-1: no match)
+        self.extend(tokens or [])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def new_state(self, length: int, link: int, end: int, transitions: dict[int, int]) -> int:
+        self.next.append(transitions)
+        self.link.append(link)
+        self.length.append(length)
+        self.end.append(end)
+        return len(self.length) - 1
+
+    def append(self, token: int) -> None:
+        """The standard online construction, one token."""
+        position = len(self.tokens)
+        self.tokens.append(token)
+        current = self.new_state(self.length[self.last] + 1, 0, position, {})
+        state = self.last
+        while state != -1 and token not in self.next[state]:
+            self.next[state][token] = current
+            state = self.link[state]
+        if state != -1:
+            target = self.next[state][token]
+            if self.length[state] + 1 == self.length[target]:
+                self.link[current] = target
+            else:  # split: a clone takes the shorter strings of `target`
+                clone = self.new_state(self.length[state] + 1, self.link[target], self.end[target],
+                                       dict(self.next[target]))
+                while state != -1 and self.next[state].get(token) == target:
+                    self.next[state][token] = clone
+                    state = self.link[state]
+                self.link[target] = self.link[current] = clone
+        self.last = current
+        answer = self.link[current]
+        self.match_end = self.end[answer]  # before this position is recorded: an earlier occurrence
+        self.end[answer] = position
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self.append(token)
+
+    def match_length(self) -> int:
+        """Length of the longest suffix that also occurred ending at an earlier position (0: none)."""
+        return self.length[self.link[self.last]] if self.tokens else 0
+
+    def continuation(self, count: int) -> list[int]:
+        """The `count` tokens that followed that earlier occurrence (call only when match_length() > 0).
+        Where they run past the end of the sequence the copy continues from itself, as a repeating
+        loop would (the match ends `period` tokens before the end: token j + period repeats token j)."""
+        out = self.tokens[self.match_end + 1: self.match_end + 1 + count]
+        period = len(self.tokens) - 1 - self.match_end
+        while len(out) < count:
+            out.append(out[len(out) - period])
+        return out
