@@ -128,8 +128,7 @@ def print_summary(document: dict, points: Sequence[BenchPoint], console: Console
     """One screen, 100 columns: a row per point, then the headline, noise and schedule lines."""
     table = Table(title=document.get("title", "dflash-bench"), title_style="bold", box=box.SIMPLE_HEAD,
                   padding=(0, 1), pad_edge=False)
-    for column in ("run", "load", "tok/s/user", "tok/s", "req/s", "TTFT p50", "TPOT p50", "ITL p99", "E2E p99",
-                   "tau"):
+    for column in ("run", "load", "tok/s/user", "tok/s", "req/s", "TTFT50", "TPOT50", "ITL99", "E2E99", "tau"):
         table.add_column(column, justify="left" if column in ("run", "load") else "right", no_wrap=True)
     for p in sorted(points, key=lambda p: (p.level, p.method != AR, p.draft_len)):
         lat = p.latency
@@ -139,8 +138,8 @@ def print_summary(document: dict, points: Sequence[BenchPoint], console: Console
                       ms(lat.get("tpot_s"), "p50"), ms(lat.get("itl_s"), "p99"), ms(lat.get("e2e_s"), "p99"),
                       "n/r" if p.tau is None else f"{p.tau:.2f}")
     console.print(table)
-    console.print("latencies in ms; ±: half the min-max range over repeats; n/r: not reported by the server",
-                  style="dim")
+    console.print("latencies in ms (50: median, 99: p99; p90 and means in bench.json); ±: half the min-max range "
+                  "over repeats; n/r: not reported by the server", style="dim")
     for line in summary_lines(document):
         console.print(line, width=100, markup=False, highlight=False)
 
