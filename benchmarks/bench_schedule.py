@@ -26,8 +26,10 @@ from pathlib import Path
 import torch
 from bench_reference_runtime import random_pair
 
+from trtllm_dflash.bench.load import LoadShape
+from trtllm_dflash.bench.points import CONCURRENCY
 from trtllm_dflash.bench.report import analyse
-from trtllm_dflash.bench.sweep import Entry, run_sweep
+from trtllm_dflash.bench.sweep import InProcessRunner, run_sweep
 from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
 from trtllm_dflash.models.drafter import load_drafter
 from trtllm_dflash.models.target import GptOssTarget
@@ -87,23 +89,30 @@ def compare(points, concurrency: list[int]) -> list[str]:
     return rows
 
 
-def run_case(name: str, make_proposer, target, lengths, prompts, params, concurrency, repeats, requests) -> None:
-    entries = [Entry("ar", 0, ReferenceRuntime(target, None))]
-    entries += [Entry("dflash", k, ReferenceRuntime(target, make_proposer(k))) for k in lengths]
-    calibration = run_sweep(entries, prompts, params, concurrency, repeats, requests)
+def run_case(name: str, make_proposer, target, lengths, prompts, max_tokens, concurrency, repeats, requests) -> None:
+    def runner(method, k, runtime):
+        return InProcessRunner(method, k, runtime, max_tokens)
+
+    shapes = [LoadShape(CONCURRENCY, c, -(-requests // c) * c) for c in concurrency]
+    entries = [runner("ar", 0, ReferenceRuntime(target, None))]
+    entries += [runner("dflash", k, ReferenceRuntime(target, make_proposer(k))) for k in lengths]
+    calibration = run_sweep(entries, prompts, shapes, repeats)
     analysis = analyse(calibration, max(lengths))
-    schedule = {int(k): v for k, v in analysis["schedule"]["draft_len_schedule"].items()}
+    candidate = analysis["schedule"]["candidate_draft_len_schedule"]
+    schedule = {int(k): v for k, v in candidate.items()}
     holdout = analysis["cost_model"]["holdout"]
     # {} means "build without speculation", so it runs as TensorRT-LLM would run it: plain AR.
     runtime = (ReferenceRuntime(target, make_proposer(max(lengths)), schedule) if schedule
                else ReferenceRuntime(target, None))
-    scheduled = Entry("scheduled", schedule[min(schedule)] if schedule else 0, runtime)
-    points = run_sweep(entries + [scheduled], prompts, params, concurrency, repeats, requests)
+    scheduled = runner("scheduled", schedule[min(schedule)] if schedule else 0, runtime)
+    points = run_sweep(entries + [scheduled], prompts, shapes, repeats)
     tau = {p.draft_len: p.tau for p in calibration if p.concurrency == concurrency[0]}
     print(f"\n### {name}\n")
     print(f"tau by draft length: {', '.join(f'K={k}: {t:.2f}' for k, t in sorted(tau.items()))}; "
-          f"schedule {schedule or '{} (speculation off)'}; cost-model held-out error mean "
-          f"{holdout['mean_abs_relative_error']:.1%} / max {holdout['max_abs_relative_error']:.1%}\n")
+          f"schedule {schedule or '{} (speculation off)'} (dflash-bench would "
+          f"{'recommend it' if analysis['schedule']['recommended'] else 'not recommend it: ' + analysis['schedule']['reason']}); "
+          f"cost-model held-out error mean {holdout['mean_abs_relative_error']:.1%} / max "
+          f"{holdout['max_abs_relative_error']:.1%}; run-to-run spread median {analysis['spread']['median']:.1%}\n")
     print("| c | " + " | ".join("AR" if k == 0 else f"K={k}" for k in [0, *lengths])
           + " | scheduled | best fixed | sched/best | worst fixed | sched/worst |")
     print("|---" * (len(lengths) + 7) + "|")
@@ -133,18 +142,17 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, target.vocab_size - 2, (args.prompt_len,), generator=gen).tolist()
                for _ in range(args.prompts)]
-    params = SamplingParams(max_tokens=args.max_tokens)
-    truth = {tuple(r.prompt_token_ids): r.output_token_ids
-             for r in ReferenceRuntime(target, None).generate(prompts, params, len(prompts))}
+    truth = {tuple(r.prompt_token_ids): r.output_token_ids for r in
+             ReferenceRuntime(target, None).generate(prompts, SamplingParams(max_tokens=args.max_tokens), len(prompts))}
     print(f"threads={args.threads} prompts={args.prompts}x{args.prompt_len} tokens max_tokens={args.max_tokens} "
-          f"repeats={args.repeats} concurrency={concurrency} draft_lengths={lengths}; tokens/s = aggregate decode")
+          f"repeats={args.repeats} concurrency={concurrency} draft_lengths={lengths}; tokens/s = output tokens / wall time")
     run_case("random pair (real DFlash drafter, random weights)",
-             lambda k: DFlashProposer(drafter, target, k + 1), target, lengths, prompts, params, concurrency, args.repeats,
-             args.requests)
+             lambda k: DFlashProposer(drafter, target, k + 1), target, lengths, prompts, args.max_tokens, concurrency,
+             args.repeats, args.requests)
     run_case(f"SYNTHETIC oracle acceptance p={args.oracle_p} per position (real drafter cost)",
              lambda k: OracleProposer(DFlashProposer(drafter, target, k + 1), truth, args.prompt_len, args.oracle_p,
-                                      target.vocab_size), target, lengths, prompts, params, concurrency, args.repeats,
-             args.requests)
+                                      target.vocab_size), target, lengths, prompts, args.max_tokens, concurrency,
+             args.repeats, args.requests)
 
 
 if __name__ == "__main__":

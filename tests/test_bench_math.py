@@ -28,7 +28,8 @@ def synthetic_points(model: CostModel, concurrency=(1, 2, 4, 8, 16, 32)) -> list
                                      tokens_per_s_user=model.tokens_per_s_user(c, k), tokens_per_s=model.tokens_per_s(c, k),
                                      tau=model.tokens_per_step(k), draft_s=draft, verify_s=verify, step_s=draft + verify,
                                      mean_batch=float(c), steps=10, decode_tokens=100, repeats=1,
-                                     per_position_acceptance=list(model.acceptance[:k])))
+                                     per_position_acceptance=list(model.acceptance[:k]),
+                                     decode_tokens_per_s=model.tokens_per_s(c, k)))
     return points
 
 
@@ -142,6 +143,14 @@ def test_schedule_from_bench_reads_and_validates(tmp_path):
         schedule_from_bench(tmp_path)
     path.write_bytes(b"\x00\xbd binary")
     with pytest.raises(InputError, match="bench.json: not valid JSON"):
+        schedule_from_bench(path)
+
+
+def test_schedule_from_bench_refuses_a_schedule_the_bench_did_not_recommend(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"schedule": {"recommended": False, "candidate_draft_len_schedule": {"4": 3},
+                                             "reason": "its largest effect is 3.0%, within the spread of 9.0%"}}))
+    with pytest.raises(InputError, match="schedule.recommended.*did not recommend a schedule: its largest effect"):
         schedule_from_bench(path)
 
 

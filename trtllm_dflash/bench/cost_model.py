@@ -79,16 +79,21 @@ def pooled_acceptance(points: Sequence[BenchPoint]) -> tuple[float, ...]:
     most = max((p.draft_len for p in points), default=0)
     pooled = []
     for j in range(most):
-        weighted = [(p.per_position_acceptance[j], p.steps * p.mean_batch) for p in points if p.draft_len > j]
+        weighted = [(p.per_position_acceptance[j], p.steps * p.mean_batch) for p in points
+                    if p.draft_len > j and p.per_position_acceptance and len(p.per_position_acceptance) > j]
         total = sum(w for _, w in weighted)
         pooled.append(sum(v * w for v, w in weighted) / total if total else 0.0)
     return tuple(pooled)
 
 
 def fit_cost_model(points: Sequence[BenchPoint]) -> CostModel:
-    """Least-squares fit on fixed-draft-length points (AR included: it pins the verify cost at w = 1)."""
+    """Least-squares fit on fixed-draft-length points (AR included: it pins the verify cost at w = 1).
+    Needs the runtime's step times, so in-process points only."""
     if not points:
         raise InputError("no measured points to fit the cost model on.", field="points")
+    if any(p.step_s is None for p in points):
+        raise InputError("the cost model needs step times, which only the in-process runtime measures.",
+                         field="points")
     verify_rows = [[1.0, p.mean_batch, p.mean_batch * (p.draft_len + 1)] for p in points]
     verify = least_squares(verify_rows, [p.step_s - p.draft_s for p in points])
     drafting = [p for p in points if p.draft_len > 0]
@@ -113,7 +118,8 @@ def holdout_split(points: Sequence[BenchPoint]) -> tuple[list[BenchPoint], list[
 
 
 def holdout_error(points: Sequence[BenchPoint]) -> dict | None:
-    """Fit on part of the sweep, predict the rest: per-point and summary relative errors of throughput."""
+    """Fit on part of the sweep, predict the rest: per-point and summary relative errors of decode
+    throughput (the quantity the model predicts; serving throughput adds prefill and queueing)."""
     split = holdout_split(points)
     if split is None:
         return None
@@ -122,10 +128,11 @@ def holdout_error(points: Sequence[BenchPoint]) -> dict | None:
     rows, errors = [], []
     for point in held_out:
         user, total = predict(model, point)
-        error = (total - point.tokens_per_s) / point.tokens_per_s if point.tokens_per_s else float("nan")
+        measured = point.decode_tokens_per_s
+        error = (total - measured) / measured if measured else float("nan")
         errors.append(abs(error))
         rows.append({"method": point.method, "draft_len": point.draft_len, "concurrency": point.concurrency,
-                     "measured_tokens_per_s": point.tokens_per_s, "predicted_tokens_per_s": total,
+                     "measured_decode_tokens_per_s": measured, "predicted_decode_tokens_per_s": total,
                      "measured_tokens_per_s_user": point.tokens_per_s_user, "predicted_tokens_per_s_user": user,
                      "relative_error": error})
     return {"fit_concurrency": sorted({p.concurrency for p in fit_on}),

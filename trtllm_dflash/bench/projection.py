@@ -101,7 +101,8 @@ def model_points(model: CostModel, concurrency: Sequence[int] = CONCURRENCY) -> 
                                      tokens_per_s_user=model.tokens_per_s_user(c, k), tokens_per_s=model.tokens_per_s(c, k),
                                      tau=model.tokens_per_step(k), draft_s=model.draft_time(c, k),
                                      verify_s=model.verify_time(c, k + 1), step_s=step, mean_batch=float(c), steps=0,
-                                     decode_tokens=0, repeats=0, per_position_acceptance=list(model.acceptance[:k])))
+                                     decode_tokens=0, repeats=0, per_position_acceptance=list(model.acceptance[:k]),
+                                     decode_tokens_per_s=model.tokens_per_s(c, k)))
     return points
 
 
@@ -144,7 +145,7 @@ def main() -> None:
     if len(sys.argv) > 1:
         from pathlib import Path
 
-        from .report import plot_pareto
+        from .plots import plot_pareto
 
         out = Path(sys.argv[1])
         out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
-"""From measured points to what a reader needs: headline ratios, the fitted cost model and its
-held-out error, the schedule, and the JSON / CSV / plot / table forms of all of it."""
+"""From measured points to what a reader needs: headline ratios with bootstrap intervals, the
+fitted cost model and its held-out error, the schedule (or why none is recommended), and the JSON /
+CSV / one-screen table forms of all of it."""
 
 from __future__ import annotations
 
@@ -8,16 +9,17 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from ..errors import MissingDependencyError
-from .cost_model import CostModel, fit_cost_model, holdout_error
-from .pareto import best_throughput_gain, frontier
-from .points import AR, CSV_COLUMNS, BenchPoint, csv_row
-from .schedule import build_schedule, measured_score, model_score
+from .confidence import decisive_spread, headline_intervals, recommendation, schedule_effect, spread_summary
+from .cost_model import fit_cost_model, holdout_error
+from .pareto import best_throughput_gain
+from .points import AR, CONCURRENCY, CSV_COLUMNS, SUFFIX_HYBRID, BenchPoint, csv_row
+from .schedule import build_schedule, choose_lengths, measured_score, model_score
 
-SCHEMA = "dflash-bench/1"
+SCHEMA = "dflash-bench/2"
 
 
 def curve(points: Sequence[BenchPoint]) -> list[tuple[float, float]]:
@@ -27,36 +29,76 @@ def curve(points: Sequence[BenchPoint]) -> list[tuple[float, float]]:
 def headline(points: Sequence[BenchPoint]) -> dict:
     """The two ratios NVIDIA's Blackwell claim is made of (dflash-algorithm.md §7.3): DFlash's
     throughput over AR's at equal interactivity (best over the overlap of the curves), and its
-    interactivity over AR's at the smallest concurrency."""
+    interactivity over AR's at the lightest load."""
     ar = [p for p in points if p.method == AR]
     spec = [p for p in points if p.method != AR]
     gain = best_throughput_gain(curve(spec), curve(ar))
     at = next((p for p in spec if p.tokens_per_s_user == gain[0]), None) if gain else None
-    smallest = min(p.concurrency for p in points)
-    ar_small = [p for p in ar if p.concurrency == smallest]
-    spec_small = max((p for p in spec if p.concurrency == smallest), key=lambda p: p.tokens_per_s_user, default=None)
+    lightest = min(p.level for p in points)
+    ar_light = [p for p in ar if p.level == lightest]
+    spec_light = max((p for p in spec if p.level == lightest), key=lambda p: p.tokens_per_s_user, default=None)
     interactivity = None
-    if ar_small and spec_small and ar_small[0].tokens_per_s_user:
-        interactivity = {"ratio": spec_small.tokens_per_s_user / ar_small[0].tokens_per_s_user,
-                         "concurrency": smallest, "draft_len": spec_small.draft_len}
-    throughput = None if at is None else {"ratio": gain[1], "tokens_per_s_user": gain[0],
+    if ar_light and spec_light and ar_light[0].tokens_per_s_user:
+        interactivity = {"ratio": spec_light.tokens_per_s_user / ar_light[0].tokens_per_s_user,
+                         "load": spec_light.label, "concurrency": spec_light.concurrency,
+                         "draft_len": spec_light.draft_len}
+    throughput = None if at is None else {"ratio": gain[1], "tokens_per_s_user": gain[0], "load": at.label,
                                           "draft_len": at.draft_len, "concurrency": at.concurrency}
     return {"throughput_gain_at_equal_interactivity": throughput, "interactivity_gain_at_smallest_batch": interactivity}
 
 
-def analyse(points: Sequence[BenchPoint], max_draft_len: int, schedule_source: str = "model") -> dict:
-    """Headline, cost model (fitted on every point) with its held-out error, and the schedule."""
-    model = fit_cost_model(points)
-    keys = sorted({p.concurrency for p in points})
-    score = model_score(model) if schedule_source == "model" else measured_score(points)
-    source = "cost model fitted on this sweep" if schedule_source == "model" else "measured points"
-    return {"headline": headline(points),
-            "cost_model": {"fit": model.to_dict(), "holdout": holdout_error(points)},
-            "schedule": build_schedule(score, keys, max_draft_len, source)}
+def cost_model_section(points: Sequence[BenchPoint]) -> dict | None:
+    """Fit on every point plus its held-out error; None where the points carry no step times."""
+    usable = [p for p in points if p.load == CONCURRENCY and p.step_s is not None]
+    if not usable or len(usable) < len(points):
+        return None
+    return {"fit": fit_cost_model(usable).to_dict(), "holdout": holdout_error(usable)}
+
+
+def schedule_section(points: Sequence[BenchPoint], max_draft_len: int, source: str, cost: dict | None) -> dict:
+    """The schedule with its effect and the noise it was compared with; `draft_len_schedule` is only
+    present when recommended (`candidate_draft_len_schedule` always is, when one could be formed)."""
+    closed = [p for p in points if p.load == CONCURRENCY]
+    if not closed or not any(p.method == AR for p in closed) or not any(p.method != AR for p in closed):
+        return {"recommended": False, "reason": "a schedule needs a concurrency sweep with both AR (draft length 0) "
+                                                "and DFlash points"}
+    if any(p.draft_len < 0 for p in closed):
+        return {"recommended": False, "reason": "the server models' draft lengths are not known (name them "
+                                                "--model NAME=DRAFT_LEN)"}
+    uses_model = source == "model"
+    if uses_model and cost is None:
+        return {"recommended": False, "reason": "the cost model needs in-process step times; use "
+                                                "--schedule-source measured for a server"}
+    from .cost_model import CostModel
+
+    score = model_score(CostModel.from_dict(cost["fit"])) if uses_model else measured_score(closed)
+    keys = sorted({p.concurrency for p in closed})
+    section = build_schedule(score, keys, max_draft_len,
+                             "cost model fitted on this sweep" if uses_model else "measured points")
+    lengths, _ = choose_lengths(score, keys, max_draft_len)
+    effect = schedule_effect(score, lengths, max_draft_len)
+    holdout = cost["holdout"] if cost else None
+    verdict = recommendation(effect, spread_summary(closed), holdout["mean_abs_relative_error"] if holdout else None,
+                             uses_model, decisive_spread(closed, effect))
+    section["candidate_draft_len_schedule"] = section.pop("draft_len_schedule")
+    if verdict["recommended"]:
+        section["draft_len_schedule"] = section["candidate_draft_len_schedule"]
+    return {**section, **verdict, "effect": effect}
+
+
+def analyse(points: Sequence[BenchPoint], max_draft_len: int, schedule_source: str = "model", seed: int = 0) -> dict:
+    """Headline with intervals, spread, cost model (fitted on every point) with its held-out error,
+    and the schedule or the reason none is recommended; all of it for TensorRT-LLM's methods (AR,
+    DFlash), so dflash-sa points are measured and shown but not analysed."""
+    points = [p for p in points if p.method != SUFFIX_HYBRID]
+    cost = cost_model_section(points)
+    return {"headline": headline(points), "headline_ci95": headline_intervals(points, headline, seed),
+            "spread": spread_summary(points), "cost_model": cost,
+            "schedule": schedule_section(points, max_draft_len, schedule_source, cost)}
 
 
 def write_outputs(document: dict, points: Sequence[BenchPoint], out_dir: Path, plot: bool) -> list[Path]:
-    """bench.json, bench.csv and (optionally) pareto.png in out_dir."""
+    """bench.json, bench.csv and (optionally) pareto.png and latency_cdf.png in out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, csv_path = out_dir / "bench.json", out_dir / "bench.csv"
     json_path.write_text(json.dumps(document, indent=2) + "\n")
@@ -65,76 +107,77 @@ def write_outputs(document: dict, points: Sequence[BenchPoint], out_dir: Path, p
         writer.writerow(CSV_COLUMNS)
         writer.writerows(csv_row(p) for p in points)
     written = [json_path, csv_path]
-    if plot:
-        written.append(plot_pareto(points, out_dir / "pareto.png", document.get("title", "DFlash vs autoregressive")))
+    if plot and points:
+        from .plots import plot_latency_cdf, plot_pareto
+
+        title = document.get("title", "DFlash vs autoregressive")
+        written.append(plot_pareto(points, out_dir / "pareto.png", title))
+        written.append(plot_latency_cdf(points, out_dir / "latency_cdf.png", title))
     return written
 
 
-def plot_pareto(points: Sequence[BenchPoint], path: Path, title: str) -> Path:
-    """Aggregate tokens/s vs tokens/s per user: one line per draft length, AR, and DFlash's frontier."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise MissingDependencyError("matplotlib", "the Pareto plot", "Install it or pass --no-plot.") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def ms(stats: dict | None, key: str) -> str:
+    return "-" if not stats else f"{stats[key] * 1e3:.1f}"
 
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    for method, draft_len in sorted({(p.method, p.draft_len) for p in points}, key=lambda m: (m[0] != AR, m)):
-        line = sorted((p for p in points if (p.method, p.draft_len) == (method, draft_len)), key=lambda p: p.concurrency)
-        label = "autoregressive" if method == AR else f"{method} K={draft_len}"
-        style = dict(color="black", linewidth=2.5) if method == AR else dict(alpha=0.8)
-        ax.plot([p.tokens_per_s_user for p in line], [p.tokens_per_s for p in line], marker="o", label=label, **style)
-        if method == AR:
-            for p in line:
-                ax.annotate(f"c={p.concurrency}", (p.tokens_per_s_user, p.tokens_per_s), fontsize=7,
-                            textcoords="offset points", xytext=(4, -10))
-    best = frontier(curve([p for p in points if p.method != AR]))
-    if best:
-        ax.plot(*zip(*best), linestyle="--", color="tab:red", linewidth=1.5, label="speculative frontier")
-    ax.set_xlabel("decode tokens/s per user (interactivity)")
-    ax.set_ylabel("aggregate decode tokens/s (throughput)")
-    ax.set_yscale("log")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+
+def with_spread(value: float, spread: float | None) -> str:
+    return f"{value:.0f}" if spread is None else f"{value:.0f}±{spread * 50:.0f}%"
 
 
 def print_summary(document: dict, points: Sequence[BenchPoint], console: Console) -> None:
-    model = CostModel.from_dict(document["cost_model"]["fit"])
-    table = Table(title=document.get("title", "dflash-bench"))
-    for column in ("method", "K", "c", "tok/s/user", "tok/s", "model tok/s", "tau", "draft ms", "verify ms",
-                   "step ms", "acceptance by position"):
-        table.add_column(column, justify="left" if column in ("method", "acceptance by position") else "right")
-    for p in sorted(points, key=lambda p: (p.concurrency, p.method != AR, p.draft_len)):
-        table.add_row(p.method, str(p.draft_len), str(p.concurrency), f"{p.tokens_per_s_user:.1f}",
-                      f"{p.tokens_per_s:.1f}", f"{model.tokens_per_s(p.mean_batch, p.draft_len):.1f}", f"{p.tau:.2f}",
-                      f"{p.draft_s * 1e3:.2f}", f"{p.verify_s * 1e3:.2f}", f"{p.step_s * 1e3:.2f}",
-                      " ".join(f"{a:.2f}" for a in p.per_position_acceptance))
+    """One screen, 100 columns: a row per point, then the headline, noise and schedule lines."""
+    table = Table(title=document.get("title", "dflash-bench"), title_style="bold", box=box.SIMPLE_HEAD,
+                  padding=(0, 1), pad_edge=False)
+    for column in ("run", "load", "tok/s/user", "tok/s", "req/s", "TTFT50", "TPOT50", "ITL99", "E2E99", "tau"):
+        table.add_column(column, justify="left" if column in ("run", "load") else "right", no_wrap=True)
+    for p in sorted(points, key=lambda p: (p.level, p.method != AR, p.draft_len)):
+        lat = p.latency
+        run = "ar" if p.method == AR else f"{p.method} K={p.draft_len if p.draft_len >= 0 else '?'}"
+        table.add_row(run, p.label, with_spread(p.tokens_per_s_user, p.spread("tokens_per_s_user")),
+                      with_spread(p.tokens_per_s, p.spread()), f"{p.requests_per_s:.2f}", ms(lat.get("ttft_s"), "p50"),
+                      ms(lat.get("tpot_s"), "p50"), ms(lat.get("itl_s"), "p99"), ms(lat.get("e2e_s"), "p99"),
+                      "n/r" if p.tau is None else f"{p.tau:.2f}")
     console.print(table)
+    console.print("latencies in ms (50: median, 99: p99; p90 and means in bench.json); ±: half the min-max range "
+                  "over repeats; n/r: not reported by the server", style="dim")
     for line in summary_lines(document):
-        console.print(line)
+        console.print(line, width=100, markup=False, highlight=False)
+
+
+def interval_text(interval: list[float] | None) -> str:
+    return (f" (95% CI {interval[0]:.2f}-{interval[1]:.2f})" if interval else
+            " (no 95% CI: one repeat, or the curves overlap in under half of the resamples)")
 
 
 def summary_lines(document: dict) -> list[str]:
-    head, holdout, schedule = document["headline"], document["cost_model"]["holdout"], document["schedule"]
+    head, cost, schedule = document["headline"], document["cost_model"], document["schedule"]
+    ci = document.get("headline_ci95", {})
     gain, inter = head["throughput_gain_at_equal_interactivity"], head["interactivity_gain_at_smallest_batch"]
+    holdout = cost["holdout"] if cost else None
+    error = (f"mean {holdout['mean_abs_relative_error']:.0%}, max {holdout['max_abs_relative_error']:.0%}"
+             if holdout else "unknown")
+    spread = document.get("spread")
     lines = [
         "throughput gain at equal interactivity: " + (
-            f"{gain['ratio']:.2f}x at {gain['tokens_per_s_user']:.1f} tok/s/user (K={gain['draft_len']}, "
-            f"c={gain['concurrency']})" if gain else "none (the speculative and AR curves do not overlap in tok/s/user)"),
-        "interactivity gain at the smallest batch: " + (
-            f"{inter['ratio']:.2f}x at c={inter['concurrency']} (K={inter['draft_len']})" if inter else "n/a"),
-        "cost model held-out error (throughput): " + (
-            f"mean {holdout['mean_abs_relative_error']:.1%}, max {holdout['max_abs_relative_error']:.1%} "
-            f"(fit on c={holdout['fit_concurrency']}, predicted c={holdout['heldout_concurrency']})"
-            if holdout else "n/a (needs at least three concurrencies)"),
-        f"draft_len_schedule ({schedule['source']}): {schedule['draft_len_schedule'] or '{} (speculation off)'}, "
-        f"max_draft_len {schedule['max_draft_len']}" + (f"; capped bands {schedule['capped_bands']}"
-                                                        if schedule["capped_bands"] else ""),
+            f"{gain['ratio']:.2f}x{interval_text(ci.get('throughput_gain_at_equal_interactivity'))} at "
+            f"{gain['tokens_per_s_user']:.1f} tok/s/user (K={gain['draft_len']}, {gain['load']})"
+            if gain else "none (the DFlash and AR curves do not overlap in tok/s/user)"),
+        "interactivity gain at the lightest load: " + (
+            f"{inter['ratio']:.2f}x{interval_text(ci.get('interactivity_gain_at_smallest_batch'))} at "
+            f"{inter['load']} (K={inter['draft_len']})" if inter else "n/a"),
+        "run-to-run spread of tok/s: " + (f"median {spread['median']:.1%}, max {spread['max']:.1%}"
+                                          if spread else "unknown (one repeat)"),
+        "cost model: " + ("not fitted (it needs an in-process concurrency sweep: step times)" if cost is None else
+                          f"held-out error {error}" + (f" (fit on c={holdout['fit_concurrency']}, predicted "
+                                                       f"c={holdout['heldout_concurrency']})" if holdout else "")),
     ]
+    if schedule.get("recommended"):
+        model = f"; model held-out error {error}" if schedule["source"].startswith("cost model") else ""
+        lines.append(f"draft_len_schedule ({schedule['source']}{model}): "
+                     f"{schedule['draft_len_schedule'] or '{} (speculation off)'}, max_draft_len "
+                     f"{schedule['max_draft_len']}; {schedule['reason']}")
+    else:
+        candidate = schedule.get("candidate_draft_len_schedule")
+        lines.append("schedule NOT recommended: " + schedule["reason"]
+                     + (f" (candidate {candidate or '{}'})" if candidate is not None else ""))
     return lines

@@ -103,9 +103,14 @@ def build_schedule(score: Score, keys: Sequence[int], most: int, source: str) ->
 
 def schedule_from_bench(path: str | Path) -> dict[int, int]:
     """The draft_len_schedule a dflash-bench JSON recommends, keys as ints, validated for TensorRT-LLM.
-    Its max_draft_len is the value of the smallest key; {} means build without speculation."""
+    Its max_draft_len is the value of the smallest key; {} means build without speculation. A bench
+    that found its effect within the noise recommends none, and says why. Where it was measured
+    (in-process or a server, and on which device) is the file's `measured_on`."""
     path = Path(path)
     section = read_json(path).get("schedule")
+    if isinstance(section, dict) and section.get("recommended") is False:
+        raise InputError(f"this bench did not recommend a schedule: {section.get('reason', 'no reason given')}.",
+                         path=path, field="schedule.recommended")
     if not isinstance(section, dict) or not isinstance(section.get("draft_len_schedule"), dict):
         raise InputError("no schedule in this file; is it a dflash-bench JSON?", path=path,
                          field="schedule.draft_len_schedule")

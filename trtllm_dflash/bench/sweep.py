@@ -1,94 +1,203 @@
-"""Measuring the sweep: every (runtime, concurrency) point, repeats interleaved so that machine
-drift hits all points alike, reduced to one BenchPoint per point (medians over repeats)."""
+"""Measuring the sweep: every (runner, load) point, repeats interleaved so that machine drift hits
+all points alike, reduced to one BenchPoint per point (medians, each repeat kept for the spread).
+
+A runner is the in-process reference runtime or a server endpoint; both turn a load shape into
+request timelines, so their serving figures are computed by the same code (`metrics.py`).
+
+In-process batching is the reference runtime's: static batches. Closed loop at c users = back-to-
+back batches of c (outputs have a fixed length, so a batch's users all finish together and send
+their next requests together). Open loop = a dynamic batcher: at every batch boundary, every
+request that has arrived (up to the batch limit) is batched, as Triton's dynamic batcher would.
+"""
 
 from __future__ import annotations
 
-import itertools
 import statistics
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ..models.drafter import DFlashDrafter
-from ..models.target import GptOssTarget
-from ..runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer, SuffixDFlashProposer
+from ..errors import InputError
 from ..runtime.reference import ReferenceRuntime
 from ..runtime.sampling import SamplingParams
-from ..runtime.stats import GenerationResult, total_stats
-from .points import AR, BenchPoint
+from ..runtime.stats import GenerationResult
+from .endpoints import EndpointError, HttpEndpoint
+from .load import LoadShape, Prompt, closed_loop, open_loop
+from .metrics import RequestRecord, distribution, latency_samples, reported_acceptance, run_figures
+from .points import CONCURRENCY, BenchPoint
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One curve of the sweep: a runtime and the draft length it is labelled with (0 = AR)."""
-
-    method: str
-    draft_len: int
-    runtime: ReferenceRuntime
+@dataclass
+class Run:
+    records: list[RequestRecord]
+    runtime: dict | None = None  # in-process step figures (runtime_figures)
 
 
-SUFFIX_HYBRID = "dflash-sa"  # measured beside DFlash; not TensorRT-LLM's, so outside its cost model and schedule
+class InProcessRunner:
+    """A reference runtime labelled with its method and draft length (0 = AR)."""
+
+    def __init__(self, method: str, draft_len: int, runtime: ReferenceRuntime, max_tokens: int,
+                 max_batch: int = 64):
+        self.method, self.draft_len, self.runtime = method, draft_len, runtime
+        self.params = SamplingParams(max_tokens=max_tokens)  # greedy; no stop tokens: fixed-length outputs
+        self.max_batch = max_batch
+
+    def warm_up(self, prompt: Sequence[int]) -> None:
+        self.runtime.warm_up(prompt)
+
+    def batch(self, prompts: list[Sequence[int]], sends: list[float]) -> tuple[list[RequestRecord], list]:
+        records = [RequestRecord(prompt_tokens=len(p), send=s) for p, s in zip(prompts, sends)]
+        results = self.runtime.generate(prompts, self.params, len(prompts),
+                                        lambda i, tokens: records[i].add_chunk(time.perf_counter(), len(tokens)))
+        for record, result in zip(records, results):
+            record.end = record.chunks[-1][0] if record.chunks else time.perf_counter()
+            record.tau = result.stats.acceptance_length
+            record.per_position_acceptance = result.stats.per_position_acceptance[: self.draft_len]
+        return records, results
+
+    def run(self, prompts: Sequence[Prompt], shape: LoadShape) -> Run:
+        step_times = {"draft": 0.0, "verify": 0.0}
+        source = shape.prompts(prompts)
+        batches = self.closed(source, shape) if shape.kind == CONCURRENCY else self.open(source, shape)
+        records, results = [], []
+        for batch_records, batch_results, times in batches:
+            records += batch_records
+            results.append(batch_results)
+            for key in step_times:
+                step_times[key] += times[key]
+        return Run(records, runtime_figures(results, step_times))
+
+    def closed(self, source: Iterator[Prompt], shape: LoadShape):
+        start, users = time.perf_counter(), int(shape.level)
+        while shape.duration is None or time.perf_counter() - start <= shape.duration:
+            chunk = [p for _, p in zip(range(users), source)]
+            if not chunk:
+                return
+            now = time.perf_counter()
+            records, results = self.batch(chunk, [now] * len(chunk))
+            yield records, results, dict(self.runtime.step_times)
+
+    def open(self, source: Iterator[Prompt], shape: LoadShape):
+        queue = list(zip(shape.arrivals(), source))
+        start = time.perf_counter()
+        while queue:
+            time.sleep(max(0.0, start + queue[0][0] - time.perf_counter()))
+            now = time.perf_counter() - start
+            taken = [item for item in queue[: self.max_batch] if item[0] <= now]
+            queue = queue[len(taken):]
+            records, results = self.batch([p for _, p in taken], [start + offset for offset, _ in taken])
+            yield records, results, dict(self.runtime.step_times)
 
 
-def dflash_entries(target: GptOssTarget, drafter: DFlashDrafter, draft_lens: Sequence[int],
-                   sa_threshold: int = DEFAULT_SA_THRESHOLD) -> list[Entry]:
-    """The autoregressive baseline, one fixed-draft-length DFlash runtime per length, and dflash-sa
-    (suffix-automaton drafts, else DFlash's) at the longest length."""
-    entries = [Entry(AR, 0, ReferenceRuntime(target, None))]
-    entries += [Entry("dflash", k, ReferenceRuntime(target, DFlashProposer(drafter, target, k + 1))) for k in draft_lens]
-    longest = max(draft_lens)
-    hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target, longest + 1), sa_threshold)
-    return entries + [Entry(SUFFIX_HYBRID, longest, ReferenceRuntime(target, hybrid))]
-
-
-def batch_prompts(prompts: Sequence[Sequence[int]], concurrency: int, requests: int) -> list[Sequence[int]]:
-    """At least `requests` requests in full batches of `concurrency` (at least one batch), cycling
-    through the prompts when there are too few: small batches get more requests, so less noise."""
-    batches = max(1, -(-requests // concurrency))
-    return list(itertools.islice(itertools.cycle(prompts), concurrency * batches))
-
-
-def one_repeat(results: list[GenerationResult], step_times: dict[str, float], concurrency: int) -> dict:
-    """Figures of one run: decode only (prefill excluded), per batch step. Decode tokens are summed
-    per request (each request's first token comes from its prefill), not taken from the total's
-    num_decode_tokens, which subtracts that first token once for the whole run."""
-    total = total_stats(results, concurrency)
+def runtime_figures(batches: list[list[GenerationResult]], step_times: dict[str, float]) -> dict:
+    """Decode-only step figures of one run (prefill excluded), per batch step. Decode tokens are
+    summed per request (each request's first token comes from its prefill)."""
+    results = [r for batch in batches for r in batch]
+    batch_steps = sum(max(r.stats.steps for r in batch) for batch in batches if batch)
+    decode_time = sum(max(r.stats.decode_time for r in batch) for batch in batches if batch)
     decode_tokens = sum(r.stats.num_decode_tokens for r in results)
-    batch_steps = sum(max(r.stats.steps for r in results[i: i + concurrency])
-                      for i in range(0, len(results), concurrency))
     request_steps = sum(r.stats.steps for r in results)
-    return {"tokens_per_s_user": statistics.mean(r.stats.decode_tokens_per_s for r in results),
-            "tokens_per_s": decode_tokens / total.decode_time, "tau": total.acceptance_length,
-            "draft_s": step_times["draft"] / batch_steps, "verify_s": step_times["verify"] / batch_steps,
-            "step_s": total.decode_time / batch_steps, "mean_batch": request_steps / batch_steps,
-            "steps": batch_steps, "decode_tokens": decode_tokens,
-            "per_position_acceptance": total.per_position_acceptance}
+    return {"decode_tokens_per_s": decode_tokens / decode_time if decode_time else 0.0,
+            "draft_s": step_times["draft"] / max(batch_steps, 1), "verify_s": step_times["verify"] / max(batch_steps, 1),
+            "step_s": decode_time / max(batch_steps, 1), "mean_batch": request_steps / max(batch_steps, 1),
+            "steps": batch_steps, "decode_tokens": decode_tokens}
 
 
-def reduce_repeats(entry: Entry, concurrency: int, repeats: list[dict]) -> BenchPoint:
-    """Median of every timing over repeats; counts and acceptance from the first (greedy runs repeat exactly)."""
-    first = repeats[0]
-    medians = {key: statistics.median(r[key] for r in repeats)
-               for key in ("tokens_per_s_user", "tokens_per_s", "draft_s", "verify_s", "step_s")}
-    acceptance = first["per_position_acceptance"][: entry.draft_len]
-    return BenchPoint(method=entry.method, draft_len=entry.draft_len, concurrency=concurrency, tau=first["tau"],
-                      mean_batch=first["mean_batch"], steps=first["steps"], decode_tokens=first["decode_tokens"],
-                      repeats=len(repeats), per_position_acceptance=acceptance, **medians)
+class EndpointRunner:
+    """A model on a running server, labelled with the method and draft length it was built with."""
+
+    def __init__(self, method: str, draft_len: int, endpoint: HttpEndpoint):
+        self.method, self.draft_len, self.endpoint = method, draft_len, endpoint
+
+    def warm_up(self, prompt: Prompt) -> None:
+        record = self.endpoint.send(prompt)
+        if not record.ok:
+            raise EndpointError(f"the warm-up request to model {self.endpoint.model!r} failed: {record.error}",
+                                field="--endpoint")
+
+    def run(self, prompts: Sequence[Prompt], shape: LoadShape) -> Run:
+        source = shape.prompts(prompts)
+        if shape.kind == CONCURRENCY:
+            records = closed_loop(self.endpoint.send, source, int(shape.level), shape.duration)
+        else:
+            records = open_loop(self.endpoint.send, source, shape.arrivals())
+        return Run(records)
 
 
-def run_sweep(entries: Sequence[Entry], prompts: Sequence[Sequence[int]], params: SamplingParams,
-              concurrencies: Sequence[int], repeats: int = 1, requests: int = 0,
-              on_point: Callable[[Entry, int], None] | None = None) -> list[BenchPoint]:
-    """Every entry at every concurrency, `repeats` times; warm-up first so no point pays one-time costs."""
-    for entry in entries:
-        entry.runtime.warm_up(prompts[0])
-    samples: dict[tuple[int, int], list[dict]] = {}
-    for _ in range(repeats):
-        for concurrency in concurrencies:
-            chunk = batch_prompts(prompts, concurrency, requests)
-            for index, entry in enumerate(entries):
-                results = entry.runtime.generate(chunk, params, concurrency)
-                samples.setdefault((index, concurrency), []).append(
-                    one_repeat(results, entry.runtime.step_times, concurrency))
+Runner = InProcessRunner | EndpointRunner
+
+
+def runner_name(runner: Runner) -> str:
+    return f"{runner.method} K={runner.draft_len if runner.draft_len >= 0 else '?'}"
+
+
+class PartialSweep(InputError):
+    """The sweep stopped on an endpoint failure; `points` holds the points completed before it."""
+
+    def __init__(self, message: str, points: list[BenchPoint]):
+        super().__init__(message, field="--endpoint")
+        self.points = points
+
+
+def reduce_repeats(runner: Runner, shape: LoadShape, runs: list[Run]) -> BenchPoint:
+    """Medians over repeats, every repeat's throughput and speed kept; latencies pooled."""
+    figures = [run_figures(run.records) for run in runs]
+    records = [r for run in runs for r in run.records]
+    samples = latency_samples(records)
+    tau, per_position = reported_acceptance(records)
+    throughput = [f.get("output_tokens_per_s", 0.0) for f in figures]
+    per_user = [f.get("tokens_per_s_user", 0.0) for f in figures]
+    runtime = {}
+    if runs[0].runtime is not None:
+        runtime = {key: statistics.median(run.runtime[key] for run in runs)
+                   for key in ("decode_tokens_per_s", "draft_s", "verify_s", "step_s")}
+        runtime.update({key: runs[0].runtime[key] for key in ("mean_batch", "steps", "decode_tokens")})
+    concurrency = int(shape.level) if shape.kind == CONCURRENCY else getattr(runner, "max_batch", 0)
+    return BenchPoint(
+        method=runner.method, draft_len=runner.draft_len, concurrency=concurrency, load=shape.kind,
+        rate=None if shape.kind == CONCURRENCY else shape.level,
+        tokens_per_s_user=statistics.median(per_user), tokens_per_s=statistics.median(throughput),
+        tokens_per_s_repeats=throughput, tokens_per_s_user_repeats=per_user,
+        requests_per_s=statistics.median(f.get("requests_per_s", 0.0) for f in figures),
+        requests=int(statistics.median(f["completed"] for f in figures)), failed=sum(f["failed"] for f in figures),
+        latency={name: distribution(values) for name, values in samples.items()},
+        samples={name: [round(v, 6) for v in samples[name]] for name in ("ttft_s", "tpot_s", "e2e_s")},
+        tau=tau, per_position_acceptance=per_position, repeats=len(runs),
+        draft_s=runtime.get("draft_s"), verify_s=runtime.get("verify_s"), step_s=runtime.get("step_s"),
+        mean_batch=runtime.get("mean_batch"), steps=runtime.get("steps"), decode_tokens=runtime.get("decode_tokens"),
+        decode_tokens_per_s=runtime.get("decode_tokens_per_s"))
+
+
+def failure(runner: Runner, shape: LoadShape, run: Run) -> str | None:
+    """Why a run is unusable: every request failed (a dead or refusing server)."""
+    if run.records and not any(r.ok for r in run.records):
+        first = next((r.error for r in run.records if r.error), "no tokens came back")
+        return f"every request of {runner_name(runner)} at {shape.label} failed: {first}"
+    if not run.records:
+        return f"{runner_name(runner)} at {shape.label} sent no request (duration too short?)"
+    return None
+
+
+def run_sweep(runners: Sequence[Runner], prompts: Sequence[Prompt], shapes: Sequence[LoadShape], repeats: int,
+              on_point: Callable[[Runner, LoadShape, Run, int], None] | None = None) -> list[BenchPoint]:
+    """Every runner at every load, `repeats` times, interleaved (repeat-major, so drift hits every
+    point alike); a warm-up first so no point pays one-time costs."""
+    for runner in runners:
+        runner.warm_up(prompts[0])
+    samples: dict[tuple[int, int], list[Run]] = {}
+
+    def finished() -> list[BenchPoint]:
+        return [reduce_repeats(runners[i], shapes[j], runs) for (i, j), runs in samples.items()]
+
+    for repeat in range(repeats):
+        for j, shape in enumerate(shapes):
+            for i, runner in enumerate(runners):
+                run = runner.run(prompts, shape)
+                problem = failure(runner, shape, run)
+                if problem:
+                    raise PartialSweep(problem, finished())
+                samples.setdefault((i, j), []).append(run)
                 if on_point is not None:
-                    on_point(entry, concurrency)
-    return [reduce_repeats(entries[index], concurrency, runs) for (index, concurrency), runs in samples.items()]
+                    on_point(runner, shape, run, repeat)
+    return finished()
+
