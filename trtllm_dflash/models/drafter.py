@@ -21,6 +21,7 @@ from transformers import Qwen3Config
 
 from ..checkpoints.hf import load_state_dict, read_json, require
 from ..errors import InputError
+from ..plugins.draft_block.reference import context_visibility
 from .kv_cache import KVArena
 from .rope import Rotary, apply_rotary
 from .target import sink_attention
@@ -32,6 +33,38 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[
         return [num_target_layers // 2]
     span = num_target_layers - 4
     return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
+
+
+# Where drafters carry their context window. z-lab (dflash/model.py @ 10129599) reads Qwen3's
+# `sliding_window` on layers whose `layer_types` entry is "sliding_attention", causal inside the block
+# unless `is_causal` is false; TensorRT-LLM (_torch/models/modeling_dflash.py @ 009d8fa4) reads
+# `dflash_config.use_swa` / `swa_window_size`. Both: a query at position q sees keys k with q - k < W.
+WINDOW_FIELDS = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "is_causal")
+
+
+def read_sliding_window(raw: dict[str, Any], dflash: dict[str, Any], num_layers: int, path: Path) -> int | None:
+    """The drafter's context window from either spelling; one window for all layers."""
+    layer_types = raw.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != num_layers
+                                    or not set(layer_types) <= {"sliding_attention", "full_attention"}):
+        raise InputError(f"expected {num_layers} entries of 'sliding_attention' / 'full_attention', got "
+                         f"{layer_types!r}.", path=path, field="layer_types")
+    zlab = raw.get("sliding_window") if layer_types and "sliding_attention" in layer_types else None
+    trtllm = dflash.get("swa_window_size") if dflash.get("use_swa") else None
+    if layer_types and len(set(layer_types)) > 1 and (zlab is not None or trtllm is not None):
+        raise InputError("a window on only some drafter layers is not supported (one window for all layers).",
+                         path=path, field="layer_types")
+    if zlab is not None and raw.get("is_causal", True):
+        raise InputError("sliding-window layers without 'is_causal': false are causal inside the block in "
+                         "z-lab's code; this runtime drafts bidirectionally.", path=path, field="is_causal")
+    windows = {w for w in (zlab, trtllm) if w is not None}
+    if len(windows) > 1:
+        raise InputError(f"sliding_window {zlab} and dflash_config.swa_window_size {trtllm} disagree.",
+                         path=path, field="dflash_config.swa_window_size")
+    window = windows.pop() if windows else None
+    if window is not None and not (type(window) is int and window >= 1):
+        raise InputError(f"expected a positive int, got {window!r}.", path=path, field="sliding_window")
+    return window
 
 
 @dataclass(frozen=True)
@@ -53,6 +86,7 @@ class DFlashConfig:
     max_position_embeddings: int = 131072
     vocab_size: int | None = None
     hidden_act: str = "silu"
+    sliding_window: int | None = None  # context window W of every drafter layer (None: all context)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -89,13 +123,14 @@ class DFlashConfig:
         rope_scaling = raw.get("rope_scaling")
         if rope_scaling is not None and not isinstance(rope_scaling, dict):
             raise InputError("expected an object or null.", path=path, field="rope_scaling")
-        known = set(cls.__dataclass_fields__) | {"dflash_config"}
+        known = set(cls.__dataclass_fields__) | {"dflash_config", *WINDOW_FIELDS}
         config = cls(
             **ints, head_dim=int(head_dim), mask_token_id=mask_token_id, target_layer_ids=list(layer_ids),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=float(raw.get("rope_theta", 10000.0)),
             rope_scaling=rope_scaling, attention_bias=bool(raw.get("attention_bias", False)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 131072)),
             vocab_size=raw.get("vocab_size"), hidden_act=hidden_act,
+            sliding_window=read_sliding_window(raw, dflash, ints["num_hidden_layers"], path),
             extra={k: v for k, v in raw.items() if k not in known},
         )
         config.check(path)
@@ -118,6 +153,10 @@ class DFlashConfig:
         out.update({k: v for k, v in asdict(self).items()
                     if k not in ("mask_token_id", "target_layer_ids", "extra") and v is not None})
         out["dflash_config"] = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.sliding_window is not None:  # both upstream spellings (see `read_sliding_window`)
+            out.update(use_sliding_window=True, max_window_layers=0, is_causal=False,
+                       layer_types=["sliding_attention"] * self.num_hidden_layers)
+            out["dflash_config"].update(use_swa=True, swa_window_size=self.sliding_window)
         out.setdefault("architectures", ["DFlashDraftModel"])
         out.setdefault("model_type", "qwen3")
         return out
@@ -208,7 +247,8 @@ class DFlashDrafter(nn.Module):
         def packed(x):
             return x.transpose(1, 2).reshape(b * width, x.shape[1], d)
 
-        out = draft_block_attention(packed(q), packed(k), packed(v), ctx_k, ctx_v, context_lens, self.scale)
+        out = draft_block_attention(packed(q), packed(k), packed(v), ctx_k, ctx_v, context_lens, self.scale,
+                                    self.config.sliding_window)
         return out.reshape(b, width, hq * d)
 
     def block_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVArena,
@@ -218,8 +258,8 @@ class DFlashDrafter(nn.Module):
             return self.plugin_attention(q, k, v, cache.k[layer], cache.v[layer], context_lens)
         b, width = q.shape[0], q.shape[2]
         ctx_len = int(context_lens.max()) if b else 0
-        visible = torch.arange(ctx_len, device=q.device) < context_lens[:, None]
-        mask = torch.cat([visible, visible.new_ones(b, width)], dim=1)[:, None].expand(b, width, -1)
+        visible = context_visibility(context_lens, width, ctx_len, self.config.sliding_window)
+        mask = torch.cat([visible, visible.new_ones(b, width, width)], dim=2)
         ctx_k, ctx_v = cache.read(layer, ctx_len)
         return sink_attention(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask, None, self.scale)
 
