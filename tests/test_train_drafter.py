@@ -18,8 +18,9 @@ from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.runtime.proposers import DFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.train.drafter import (RecordingProposer, TrainConfig, block_inputs, drafter_block_logits,
-                                         mix_anchors, sample_anchors, train, training_mask, walk_anchors)
+from trtllm_dflash.train.anchors import mix_anchors, sample_anchors, walk_anchors
+from trtllm_dflash.train.drafter import (RecordingProposer, TrainConfig, block_inputs, drafter_block_logits, train,
+                                         training_mask)
 
 
 def test_training_mask_follows_the_three_rules():
@@ -232,7 +233,8 @@ def test_replayed_walk_anchors_are_the_runtimes_anchors():
     committed sequence visits exactly the anchors the runtime drafted from, and gets its tau."""
     from trtllm_dflash.embedded import heldout_prompts, pair_paths
     from trtllm_dflash.prompts import encode_prompts, load_tokenizer
-    from trtllm_dflash.train.drafter import replay_walk, target_features
+    from trtllm_dflash.train.anchors import replay_walk
+    from trtllm_dflash.train.drafter import target_features
 
     target_dir, drafter_dir = pair_paths()
     target = GptOssTarget(load_hf_gpt_oss(target_dir))
@@ -252,7 +254,7 @@ def test_replayed_walk_anchors_are_the_runtimes_anchors():
 
 
 def test_path_rows_take_a_share_of_the_batch_from_replayed_sequences():
-    from trtllm_dflash.train.drafter import path_rows
+    from trtllm_dflash.train.anchors import path_rows
 
     paths = {5: torch.tensor([20, 21, 25]), 9: torch.tensor([30, 34])}
     rows = torch.arange(100, 164)

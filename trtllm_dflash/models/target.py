@@ -9,7 +9,8 @@ modules, gpt-fast style, because the loop needs three things transformers' gener
 * the residual stream after selected decoder layers (the DFlash features).
 
 Feature convention: target layer id `i` means the OUTPUT of decoder layer `i` (0-based), i.e.
-transformers' `hidden_states[i + 1]` -- the z-lab convention (dflash-algorithm.md §2.4).
+transformers' `hidden_states[i + 1]` -- the z-lab convention (dflash-algorithm.md §2.4) -- except for
+the last layer, whose HF entry is after the final norm while this (like TensorRT-LLM) is before it.
 The forward is tested token-identical to `GptOssForCausalLM.generate` on the same weights.
 """
 

@@ -10,15 +10,19 @@ nanoGPT style: the hyper-parameters are the flags below, the loop is plain PyTor
 2. Each step: the frozen target runs the clean sequences once and its layer outputs
    (`target_layer_ids`) are fused into context K/V ("KV injection"); random anchors are drawn in
    the response part of every sequence; block j = [x_anchor, MASK x (B-1)] at the anchor's positions.
-   Attention (see `training_mask`): a block sees context strictly before its anchor, its own block
-   bidirectionally, and never another block.
+   Attention (see `training_mask`): a block sees context strictly before its anchor (within the
+   drafter's context window, `--sliding-window`, default the training length), its own block
+   bidirectionally, and never another block. Feature layers: `training_layer_ids`, never the
+   target's last layer unless asked (see `checkpoints.validate.last_layer_warning`).
 3. Loss: cross-entropy on block slots k = 1..B-1 predicting x_{anchor+k}, weighted exp(-(k-1)/gamma)
    (gamma 7/5/4 for B 16/10/8 in the paper), normalised by the weights. Embeddings and LM head are
    the target's, frozen; `fc`, norms and drafter layers train.
-   Optional (`--walk-anchors F`, not in the paper): a fraction F of each sequence's anchors is drawn
-   where the runtime would draft next after the blocks of that sequence's previous visit, i.e. one
-   past each block's accepted prefix (`walk_anchors`). The runtime drafts from the bonus token after
-   a rejection, so its anchors sit where drafting failed; uniform anchors under-train those.
+   Optional (not in the paper; `train.anchors`): the runtime drafts from the bonus token after each
+   verify, so its anchors sit where drafting failed, which uniform anchors under-train.
+   `--replay-every N` replays the runtime's exact accept path with the current drafter on the next
+   `--replay-sequences` sequences every N steps and logs its tau; with `--walk-anchors F` a share F
+   of each batch's rows are replayed sequences anchored on that path. `--walk-anchors F` alone draws
+   a share F of anchors one past the previous visit's accepted prefixes (a one-visit approximation).
 4. AdamW, cosine schedule with linear warm-up, grad clip 1.0, gradient accumulation, bf16 autocast
    on CUDA, checkpoint/resume (`<out>/checkpoint.pt`, also on Ctrl-C), rich progress with loss/ETA.
 Output: a z-lab layout drafter (`<out>/drafter/`) that our runtime and TensorRT-LLM load.
@@ -38,10 +42,10 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from ..models.drafter import DFlashConfig, DFlashDrafter, default_target_layer_ids, save_drafter
-from ..plugins.draft_block.reference import context_visibility
 from ..models.target import GptOssTarget
-from ..runtime.accept import accepted_prefix_length
+from ..plugins.draft_block.reference import context_visibility
 from ..runtime.proposers import DFlashProposer
+from .anchors import mix_anchors, path_rows, replay_walk, sample_anchors, walk_anchors
 
 
 LOG_EVERY = 50  # steps between plain log lines when the output is not a terminal
@@ -157,84 +161,6 @@ def regenerate(target: GptOssTarget, prompts: list[list[int]], response_tokens: 
 
 
 # ---------------------------------------------------------------------------- the training step
-
-
-def sample_anchors(num_sequences: int, anchors: int, first: int, last: int, gen: torch.Generator) -> torch.Tensor:
-    """[N, A] distinct anchor positions per sequence in [first, last], sorted."""
-    choices = torch.rand(num_sequences, last - first + 1, generator=gen).argsort(dim=1)[:, :anchors]
-    return (choices + first).sort(dim=1).values
-
-
-def walk_anchors(anchors: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
-    """Where the runtime would draft next after each block: [N, A] anchors + accepted prefix + 1.
-
-    `correct` [N, A, B-1]: did slot k's greedy draft equal x_{anchor+k}. The verify accepts the
-    leading run of correct slots and the target's own token follows, which anchors the next block."""
-    return anchors + accepted_prefix_length(correct) + 1
-
-
-def mix_anchors(uniform: torch.Tensor, candidates: torch.Tensor, fraction: float, last: int) -> torch.Tensor:
-    """[N, A] sorted distinct anchors: per row up to round(fraction * A) of the row's `candidates`
-    (walk positions from its previous visit; -1 or past `last` = none), the rest from `uniform`
-    (already distinct and in range) in their order."""
-    a = uniform.shape[1]
-    take = round(fraction * a)
-    rows = []
-    for row_uniform, row_candidates in zip(uniform.tolist(), candidates.tolist()):
-        chosen = list(dict.fromkeys(c for c in row_candidates if 0 <= c <= last))[:take]
-        seen = set(chosen)
-        chosen += [u for u in row_uniform if u not in seen][: a - len(chosen)]
-        rows.append(sorted(chosen))
-    return torch.tensor(rows, dtype=uniform.dtype)
-
-
-def replay_walk(drafter: DFlashDrafter, target: GptOssTarget, sequences: torch.Tensor, features: torch.Tensor,
-                first: int) -> tuple[list[torch.Tensor], float]:
-    """The anchors the runtime drafts from (greedy) when it decodes `sequences` [n, L] from position
-    `first` on, and its tau there. The responses are the target's own greedy continuations, so the
-    runtime commits exactly these tokens and its accept path is a walk over them: anchor a, accepted
-    prefix m (the drafts that equal x_{a+1..}), next anchor a + m + 1, until a block would run past
-    the sequence. Runs the drafter's inference path on the target's `features` [n, L, F]."""
-    b, mask_id = drafter.config.block_size, drafter.config.mask_token_id
-    n, seq_len = sequences.shape
-    last = seq_len - b
-    cache = drafter.new_cache(n, seq_len)
-    drafter.write_context(features, torch.arange(seq_len, device=sequences.device).expand(n, -1), cache)
-    anchors = torch.full((n,), first, dtype=torch.int64, device=sequences.device)
-    paths: list[list[int]] = [[] for _ in range(n)]
-    produced = 0
-    while bool((live := anchors <= last).any()):
-        at = anchors.clamp(max=last)
-        positions = at[:, None] + torch.arange(b, device=at.device)
-        tokens = torch.full_like(positions, mask_id)
-        tokens[:, 0] = sequences.gather(1, at[:, None])[:, 0]
-        with torch.inference_mode():
-            hidden = drafter(target.embed(tokens), positions, cache, at)
-            drafts = target.lm_head(hidden[:, 1:].to(target.dtype)).argmax(dim=-1)
-        advance = accepted_prefix_length(drafts == sequences.gather(1, positions[:, 1:])) + 1
-        for row in live.nonzero()[:, 0].tolist():
-            paths[row].append(int(at[row]))
-        produced += int(advance[live].sum())
-        anchors = torch.where(live, anchors + advance, anchors)
-    blocks = sum(len(p) for p in paths)
-    return [torch.tensor(p, dtype=torch.int64) for p in paths], produced / max(blocks, 1)
-
-
-def path_rows(rows: torch.Tensor, paths: dict[int, torch.Tensor], fraction: float, count: int,
-              gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Replace a share `fraction` of the batch `rows` [N] by replayed sequences (keys of `paths`), and
-    give those up to `count` anchors drawn from their paths: (rows [N], candidates [N, count], -1 =
-    none, for `mix_anchors`). The runtime drafts densely where drafting fails, so its path
-    over-weights exactly the positions uniform anchors under-train."""
-    pool = torch.tensor(sorted(paths), dtype=rows.dtype)
-    pooled = torch.rand(len(rows), generator=gen) < fraction
-    rows = torch.where(pooled, pool[torch.randint(0, len(pool), (len(rows),), generator=gen)], rows)
-    candidates = torch.full((len(rows), count), -1, dtype=torch.int64)
-    for i in pooled.nonzero()[:, 0].tolist():
-        path = paths[int(rows[i])]
-        picked = path[torch.randperm(len(path), generator=gen)[:count]]
-        candidates[i, : len(picked)] = picked
-    return rows, candidates
 
 
 def training_mask(anchors: torch.Tensor, block_size: int, seq_len: int,
