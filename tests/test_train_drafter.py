@@ -267,3 +267,22 @@ def test_path_rows_take_a_share_of_the_batch_from_replayed_sequences():
         taken = [p for p in picked if p >= 0]
         assert sorted(taken) == sorted(paths[row].tolist())  # shorter paths than --anchors: all of them
     assert path_rows(rows, paths, 0.0, 4, gen)[0].tolist() == rows.tolist()
+
+
+def test_build_validation_warns_on_a_drafter_that_reads_the_last_layer(tmp_path):
+    from click.testing import CliRunner
+
+    from trtllm_dflash.checkpoints.validate import validate_pair
+    from trtllm_dflash.cli.build import main as build_main
+
+    config = tiny_target_config()
+    target_dir = save_random_target(tmp_path / "target", config)
+    save_byte_tokenizer(target_dir)
+    portable = save_random_drafter(tmp_path / "portable", drafter_config_for(config, target_layer_ids=[0, 2]))
+    last = save_random_drafter(tmp_path / "last", drafter_config_for(config, target_layer_ids=[1, 3]))
+    assert validate_pair(target_dir, portable).warnings == ()
+    (warning,) = validate_pair(target_dir, last).warnings
+    assert "layer 3, the target's last layer" in warning and "hidden_states[4]" in warning
+    result = CliRunner().invoke(build_main, ["--target", str(target_dir), "--drafter", str(last), "-o",
+                                             str(tmp_path / "engine"), "--check"])
+    assert result.exit_code == 0 and "warning:" in result.output and "last layer" in result.output, result.output
