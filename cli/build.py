@@ -127,6 +127,8 @@ def main(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_
         click.echo(profile_note)
     if check:
         plan = plan_build(options)
+        for warning in plan.pair.warnings:
+            click.echo(f"warning: {warning}", err=True)
         spec = plan.llm_options.speculative_config
         click.echo(f"ok: {target_dir} + {drafter_dir} fit; profile {plan.profile.name}, max_draft_len "
                    f"{spec.max_draft_len}, TP {plan.llm_options.tensor_parallel_size} (nothing written)")

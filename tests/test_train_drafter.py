@@ -18,8 +18,9 @@ from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.runtime.proposers import DFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.train.drafter import (RecordingProposer, TrainConfig, block_inputs, drafter_block_logits,
-                                         mix_anchors, sample_anchors, train, training_mask, walk_anchors)
+from trtllm_dflash.train.anchors import mix_anchors, sample_anchors, walk_anchors
+from trtllm_dflash.train.drafter import (RecordingProposer, TrainConfig, block_inputs, drafter_block_logits, train,
+                                         training_mask)
 
 
 def test_training_mask_follows_the_three_rules():
@@ -201,3 +202,87 @@ def test_a_resume_with_other_settings_is_refused(tmp_path):
     with pytest.raises(InputError, match="cached sequences are 48 tokens long"):
         train(target_dir, out, dataclasses.replace(cfg, response_tokens=40), "file", prompts, None,
               torch.device("cpu"), None)
+
+
+@pytest.mark.parametrize("num_layers", range(2, 49))
+def test_default_feature_layers_are_distinct_and_below_the_last(num_layers):
+    from trtllm_dflash.train.drafter import training_layer_ids
+
+    for num_features in range(1, min(num_layers - 1, 6) + 1):
+        ids = training_layer_ids(num_layers, num_features)
+        assert len(ids) == num_features and len(set(ids)) == num_features, ids
+        assert all(0 <= i < num_layers - 1 for i in ids), ids
+    with pytest.raises(InputError, match="--num-features"):
+        training_layer_ids(num_layers, num_layers)
+
+
+def test_feature_layers_follow_z_lab_when_deep_enough_and_repeats_are_refused():
+    from trtllm_dflash.train.drafter import check_training_layer_ids, training_layer_ids
+
+    assert training_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # z-lab's spread over [1, L-3]
+    assert training_layer_ids(4, 3) == [0, 1, 2]  # z-lab's rule gives [1, 1, 1] here
+    with pytest.raises(InputError, match=r"ids \[1\] are repeated"):
+        check_training_layer_ids([1, 1, 2], 4)
+    assert check_training_layer_ids([0, 1, 2], 4) is None
+    warning = check_training_layer_ids([1, 3], 4)
+    assert "layer 3, the target's last layer" in warning and "TensorRT-LLM" in warning
+
+
+def test_replayed_walk_anchors_are_the_runtimes_anchors():
+    """On the shipped pair, where drafts are often accepted: the walk `replay_walk` replays on the
+    committed sequence visits exactly the anchors the runtime drafted from, and gets its tau."""
+    from trtllm_dflash.embedded import heldout_prompts, pair_paths
+    from trtllm_dflash.prompts import encode_prompts, load_tokenizer
+    from trtllm_dflash.train.anchors import replay_walk
+    from trtllm_dflash.train.drafter import target_features
+
+    target_dir, drafter_dir = pair_paths()
+    target = GptOssTarget(load_hf_gpt_oss(target_dir))
+    drafter = load_drafter(drafter_dir)
+    prompt = encode_prompts(heldout_prompts(2)[1:], load_tokenizer(target_dir))[0]
+    proposer = RecordingProposer(drafter, target)
+    result = ReferenceRuntime(target, proposer).generate([prompt], SamplingParams(max_tokens=40))[0]
+    sequence = torch.tensor([prompt + result.output_token_ids])
+    runtime = [int(p[0]) for p in proposer.positions]
+    features = target_features(target, sequence, drafter.config.target_layer_ids)
+    paths, tau = replay_walk(drafter, target, sequence, features, len(prompt))
+    b = drafter.config.block_size
+    assert paths[0].tolist() == [a for a in runtime if a <= sequence.shape[1] - b]  # the walk stops at a full block
+    assert len(runtime) < 30  # drafts were accepted: the walk skips positions
+    n = len(paths[0])
+    assert n < len(runtime) and tau == pytest.approx((runtime[n] - runtime[0]) / n)  # tokens per block
+
+
+def test_path_rows_take_a_share_of_the_batch_from_replayed_sequences():
+    from trtllm_dflash.train.anchors import path_rows
+
+    paths = {5: torch.tensor([20, 21, 25]), 9: torch.tensor([30, 34])}
+    rows = torch.arange(100, 164)
+    gen = torch.Generator().manual_seed(0)
+    mixed, candidates = path_rows(rows, paths, 0.5, 4, gen)
+    pooled = mixed < 100
+    assert 16 < int(pooled.sum()) < 48 and set(mixed[pooled].tolist()) <= {5, 9}
+    assert (mixed[~pooled] == rows[~pooled]).all() and (candidates[~pooled] == -1).all()
+    for row, picked in zip(mixed[pooled].tolist(), candidates[pooled].tolist()):
+        taken = [p for p in picked if p >= 0]
+        assert sorted(taken) == sorted(paths[row].tolist())  # shorter paths than --anchors: all of them
+    assert path_rows(rows, paths, 0.0, 4, gen)[0].tolist() == rows.tolist()
+
+
+def test_build_validation_warns_on_a_drafter_that_reads_the_last_layer(tmp_path):
+    from click.testing import CliRunner
+
+    from trtllm_dflash.checkpoints.validate import validate_pair
+    from trtllm_dflash.cli.build import main as build_main
+
+    config = tiny_target_config()
+    target_dir = save_random_target(tmp_path / "target", config)
+    save_byte_tokenizer(target_dir)
+    portable = save_random_drafter(tmp_path / "portable", drafter_config_for(config, target_layer_ids=[0, 2]))
+    last = save_random_drafter(tmp_path / "last", drafter_config_for(config, target_layer_ids=[1, 3]))
+    assert validate_pair(target_dir, portable).warnings == ()
+    (warning,) = validate_pair(target_dir, last).warnings
+    assert "layer 3, the target's last layer" in warning and "hidden_states[4]" in warning
+    result = CliRunner().invoke(build_main, ["--target", str(target_dir), "--drafter", str(last), "-o",
+                                             str(tmp_path / "engine"), "--profile", "cpu-reference", "--check"])
+    assert result.exit_code == 0 and "warning:" in result.output and "last layer" in result.output, result.output

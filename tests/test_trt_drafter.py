@@ -14,11 +14,20 @@ from trtllm_dflash.models.drafter import DrafterStep, load_drafter
 pytest.importorskip("onnxruntime_extensions")
 
 
-def test_drafter_step_onnx_matches_the_drafter(tiny_pair, tmp_path):
+@pytest.mark.parametrize("window", [None, 6])
+def test_drafter_step_onnx_matches_the_drafter(tiny_pair, tmp_path, window):
+    import dataclasses
+
     from trtllm_dflash.engine.trt_drafter import export_drafter_onnx, lm_head_weight
+    from trtllm_dflash.models.drafter import DFlashDrafter, save_drafter
     from trtllm_dflash.plugins.draft_block.onnx_export import plugin_nodes, run_on_cpu
 
     target, drafter_dir = tiny_pair
+    if window is not None:  # the same weights with a context window that binds below (contexts of 20)
+        plain = load_drafter(drafter_dir)
+        windowed = DFlashDrafter(dataclasses.replace(plain.config, sliding_window=window))
+        windowed.load_state_dict(plain.state_dict())
+        drafter_dir = save_drafter(windowed, tmp_path / "windowed")
     model_path = export_drafter_onnx(drafter_dir, target, tmp_path / "drafter.onnx")
     import onnx
 
@@ -26,6 +35,8 @@ def test_drafter_step_onnx_matches_the_drafter(tiny_pair, tmp_path):
     drafter = load_drafter(drafter_dir)
     cfg = drafter.config
     assert len(plugin_nodes(model)) == cfg.num_hidden_layers
+    for node in plugin_nodes(model):
+        assert {a.name: a for a in node.attribute}["sliding_window"].i == (window or 0)
 
     batch, capacity = 3, 24
     gen = torch.Generator().manual_seed(0)

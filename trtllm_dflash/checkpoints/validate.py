@@ -19,6 +19,7 @@ class Pair:
     drafter_dir: Path
     target_config: dict[str, Any]
     drafter_config: DFlashConfig
+    warnings: tuple[str, ...] = ()  # fits, but worth telling the user (e.g. `last_layer_warning`)
 
 
 def tensor_shape(directory: Path, name: str) -> tuple[Path, tuple[int, ...]] | None:
@@ -35,6 +36,16 @@ def check_target_layer_ids(ids: list[int], num_layers: int, field: str, path: Pa
     if bad:
         raise InputError(f"ids {bad} are outside the target's decoder layers [0, {num_layers}) (0-based; the "
                          "output of layer i is used).", path=path, field=field)
+
+
+def last_layer_warning(ids: list[int], num_layers: int, field: str) -> str | None:
+    """Why a drafter should not read the target's last layer: the two upstream conventions disagree on it."""
+    if num_layers - 1 not in ids:
+        return None
+    return (f"{field} uses layer {num_layers - 1}, the target's last layer. z-lab's reference (and anything built on "
+            f"transformers' output_hidden_states) feeds hidden_states[{num_layers}], which is AFTER the final norm, "
+            "while TensorRT-LLM and this runtime feed the layer's residual stream before it, so the drafter drafts "
+            f"differently in each; drafters meant to be portable use layers below {num_layers - 1}.")
 
 
 def validate_pair(target_dir: str | Path, drafter_dir: str | Path, block_size: int | None = None) -> Pair:
@@ -76,4 +87,5 @@ def validate_pair(target_dir: str | Path, drafter_dir: str | Path, block_size: i
         raise InputError(f"shape {list(fc_shape)} does not fit: expected [{hidden}, {width}] = [target hidden, "
                          f"len(target_layer_ids)={len(drafter.target_layer_ids)} x target hidden {hidden}].",
                          path=fc_file, field="fc.weight")
-    return Pair(target_dir, drafter_dir, target, drafter)
+    warning = last_layer_warning(drafter.target_layer_ids, layers, f"{drafter_cfg_path} dflash_config.target_layer_ids")
+    return Pair(target_dir, drafter_dir, target, drafter, (warning,) if warning else ())

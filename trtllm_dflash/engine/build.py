@@ -447,6 +447,8 @@ def records_dir(output_dir: Path) -> Path:
 def build_engine(options: BuildOptions, show_progress: bool = True, log: Callable[[str], None] = print) -> BuildResult:
     """Validate, then build (or finish) the engine at `options.output_dir`."""
     plan = plan_build(options)
+    for warning in plan.pair.warnings:
+        log(f"warning: {warning}")
     output = options.output_dir.resolve()
     work = partial_dir(output)
     kv = plan.llm_options.kv_cache_config.dtype

@@ -29,6 +29,7 @@ from transformers import Qwen3Config
 
 from ..checkpoints.hf import load_state_dict, read_json, require
 from ..errors import InputError
+from ..plugins.draft_block.reference import context_visibility
 from ..quant.recipes import is_gpt_oss
 from .kv_cache import KVArena
 from .rope import Rotary, apply_rotary, rotate
@@ -41,6 +42,38 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[
         return [num_target_layers // 2]
     span = num_target_layers - 4
     return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
+
+
+# Where drafters carry their context window. z-lab (dflash/model.py @ 10129599) reads Qwen3's
+# `sliding_window` on layers whose `layer_types` entry is "sliding_attention", causal inside the block
+# unless `is_causal` is false; TensorRT-LLM (_torch/models/modeling_dflash.py @ 009d8fa4) reads
+# `dflash_config.use_swa` / `swa_window_size`. Both: a query at position q sees keys k with q - k < W.
+WINDOW_FIELDS = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "is_causal")
+
+
+def read_sliding_window(raw: dict[str, Any], dflash: dict[str, Any], num_layers: int, path: Path) -> int | None:
+    """The drafter's context window from either spelling; one window for all layers."""
+    layer_types = raw.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != num_layers
+                                    or not set(layer_types) <= {"sliding_attention", "full_attention"}):
+        raise InputError(f"expected {num_layers} entries of 'sliding_attention' / 'full_attention', got "
+                         f"{layer_types!r}.", path=path, field="layer_types")
+    zlab = raw.get("sliding_window") if layer_types and "sliding_attention" in layer_types else None
+    trtllm = dflash.get("swa_window_size") if dflash.get("use_swa") else None
+    if layer_types and len(set(layer_types)) > 1 and (zlab is not None or trtllm is not None):
+        raise InputError("a window on only some drafter layers is not supported (one window for all layers).",
+                         path=path, field="layer_types")
+    if zlab is not None and raw.get("is_causal", True):
+        raise InputError("sliding-window layers without 'is_causal': false are causal inside the block in "
+                         "z-lab's code; this runtime drafts bidirectionally.", path=path, field="is_causal")
+    windows = {w for w in (zlab, trtllm) if w is not None}
+    if len(windows) > 1:
+        raise InputError(f"sliding_window {zlab} and dflash_config.swa_window_size {trtllm} disagree.",
+                         path=path, field="dflash_config.swa_window_size")
+    window = windows.pop() if windows else None
+    if window is not None and not (type(window) is int and window >= 1):
+        raise InputError(f"expected a positive int, got {window!r}.", path=path, field="sliding_window")
+    return window
 
 
 @dataclass(frozen=True)
@@ -62,6 +95,7 @@ class DFlashConfig:
     max_position_embeddings: int = 131072
     vocab_size: int | None = None
     hidden_act: str = "silu"
+    sliding_window: int | None = None  # context window W of every drafter layer (None: all context)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -102,13 +136,14 @@ class DFlashConfig:
         rope_scaling = raw.get("rope_scaling")
         if rope_scaling is not None and not isinstance(rope_scaling, dict):
             raise InputError("expected an object or null.", path=path, field="rope_scaling")
-        known = set(cls.__dataclass_fields__) | {"dflash_config"}
+        known = set(cls.__dataclass_fields__) | {"dflash_config", *WINDOW_FIELDS}
         config = cls(
             **ints, head_dim=int(head_dim), mask_token_id=mask_token_id, target_layer_ids=list(layer_ids),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=float(raw.get("rope_theta", 10000.0)),
             rope_scaling=rope_scaling, attention_bias=bool(raw.get("attention_bias", False)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 131072)),
             vocab_size=raw.get("vocab_size"), hidden_act=hidden_act,
+            sliding_window=read_sliding_window(raw, dflash, ints["num_hidden_layers"], path),
             extra={k: v for k, v in raw.items() if k not in known},
         )
         config.check(path)
@@ -131,6 +166,10 @@ class DFlashConfig:
         out.update({k: v for k, v in asdict(self).items()
                     if k not in ("mask_token_id", "target_layer_ids", "extra") and v is not None})
         out["dflash_config"] = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.sliding_window is not None:  # both upstream spellings (see `read_sliding_window`)
+            out.update(use_sliding_window=True, max_window_layers=0, is_causal=False,
+                       layer_types=["sliding_attention"] * self.num_hidden_layers)
+            out["dflash_config"].update(use_swa=True, swa_window_size=self.sliding_window)
         out.setdefault("architectures", ["DFlashDraftModel"])
         out.setdefault("model_type", "qwen3")
         return out
@@ -235,13 +274,13 @@ class InferenceWeights:
         )
 
 
-def block_visibility(context_lens: torch.Tensor, width: int, length: int) -> torch.Tensor:
-    """[b, length] bool: the arena slots a request's block sees -- its context [0, context_len) and
-    the block itself, written at [context_len, context_len + width) for the current forward."""
+def block_visibility(context_lens: torch.Tensor, width: int, length: int, window: int | None) -> torch.Tensor:
+    """[b, width, length] bool: the arena slots each block slot sees -- its context (all of
+    [0, context_len), or the last `window` positions before the slot, as the plugin reference defines
+    it) and the block itself, written at [context_len, context_len + width) for the current forward."""
     slots = torch.arange(length, device=context_lens.device)
-    context = slots < context_lens[:, None]
     block = (slots >= context_lens[:, None]) & (slots < context_lens[:, None] + width)
-    return context | block
+    return context_visibility(context_lens, width, length, window) | block[:, None]
 
 
 class DFlashDrafter(nn.Module):
@@ -277,7 +316,8 @@ class DFlashDrafter(nn.Module):
         def packed(x):
             return x.transpose(1, 2).reshape(b * width, x.shape[1], d)
 
-        out = draft_block_attention(packed(q), packed(k), packed(v), ctx_k, ctx_v, context_lens, self.scale)
+        out = draft_block_attention(packed(q), packed(k), packed(v), ctx_k, ctx_v, context_lens, self.scale,
+                                    self.config.sliding_window)
         return out.reshape(b, width, hq * d)
 
     def block_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVArena,
@@ -294,7 +334,16 @@ class DFlashDrafter(nn.Module):
         keys, values = cache.read(layer, visible.shape[-1])
         if q.device.type == "cpu":
             return fused_attention(q, keys, values, visible, None, self.scale)
-        return sink_attention(q, keys, values, visible[:, None].expand(q.shape[0], width, -1), None, self.scale)
+        return sink_attention(q, keys, values, visible, None, self.scale)
+
+    def block_mask(self, context_lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """`block_attention`'s `visible` for a block of `width` slots, built once per step for all
+        layers: the bool mask, or on CPU the additive bias the fused kernel takes."""
+        cfg = self.config
+        visible = block_visibility(context_lens, width, int(context_lens.max()) + width, cfg.sliding_window)
+        if context_lens.device.type == "cpu":
+            return attention_bias(visible, cfg.num_attention_heads // cfg.num_key_value_heads, dtype)
+        return visible
 
     def bypassed_modules_hooked(self) -> bool:
         """A forward hook on a projection the fused weights bypass (calibration records their inputs)."""
@@ -355,9 +404,7 @@ class DFlashDrafter(nn.Module):
         b, width, _ = x.shape
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         cos, sin = self.rotary(block_positions, x.dtype)
-        visible = block_visibility(context_lens, width, int(context_lens.max()) + width)
-        if x.device.type == "cpu":
-            visible = attention_bias(visible[:, None].expand(b, width, -1), hq // hkv, x.dtype)
+        visible = self.block_mask(context_lens, width, x.dtype)
         if self.bypassed_modules_hooked():
             return self.run_layers(x, cos, sin, lambda i, q, k, v: self.block_attention(
                 i, q, k.transpose(1, 2), v.transpose(1, 2), cache, context_lens, visible))

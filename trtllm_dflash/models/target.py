@@ -15,7 +15,8 @@ one fused kernel on CPU, and the MoE multiplies only the experts a block routes 
 Where a forward hook watches a bypassed module (calibration), that module is called as it is.
 
 Feature convention: target layer id `i` means the OUTPUT of decoder layer `i` (0-based), i.e.
-transformers' `hidden_states[i + 1]` -- the z-lab convention (dflash-algorithm.md §2.4).
+transformers' `hidden_states[i + 1]` -- the z-lab convention (dflash-algorithm.md §2.4) -- except for
+the last layer, whose HF entry is after the final norm while this (like TensorRT-LLM) is before it.
 The forward is tested token-identical to `GptOssForCausalLM.generate` on the same weights.
 """
 

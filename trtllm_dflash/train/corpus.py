@@ -132,14 +132,21 @@ def heldout_prompts(n: int = NUM_PROMPTS, seed: int = PROMPT_SEED, root: Path | 
     """
     root = root or stdlib_root()
     files = split_files(root)["heldout"]
-    lines_of = {f: read_source(root / f).splitlines(keepends=True) for f in files}
-    candidates = [f for f in files if len(lines_of[f]) > PROMPT_MAX_LINES + 1]
+    return snippets({f: read_source(root / f).splitlines(keepends=True) for f in files}, n, seed)
+
+
+def snippets(lines_of: dict[str, list[str]], n: int, seed: int, min_lines: int = PROMPT_MIN_LINES,
+             max_lines: int = PROMPT_MAX_LINES) -> list[Prompt]:
+    """``n`` deterministic snippets of ``min_lines..max_lines`` whole lines of the files ``lines_of``
+    (path -> lines with their ends), by the rules of ``heldout_prompts``."""
+    files = sorted(lines_of)
+    candidates = [f for f in files if len(lines_of[f]) > max_lines + 1]
     rng = random.Random(seed)
     prompts: list[Prompt] = []
     while len(prompts) < n:
         f = rng.choice(candidates)
         lines = lines_of[f]
-        length = rng.randint(PROMPT_MIN_LINES, PROMPT_MAX_LINES)
+        length = rng.randint(min_lines, max_lines)
         start = rng.randrange(0, len(lines) - length)
         chunk = lines[start : start + length]
         if not chunk[0].strip() or sum(1 for line in chunk if line.strip()) < length * 3 // 4:

@@ -10,15 +10,19 @@ nanoGPT style: the hyper-parameters are the flags below, the loop is plain PyTor
 2. Each step: the frozen target runs the clean sequences once and its layer outputs
    (`target_layer_ids`) are fused into context K/V ("KV injection"); random anchors are drawn in
    the response part of every sequence; block j = [x_anchor, MASK x (B-1)] at the anchor's positions.
-   Attention (see `training_mask`): a block sees context strictly before its anchor, its own block
-   bidirectionally, and never another block.
+   Attention (see `training_mask`): a block sees context strictly before its anchor (within the
+   drafter's context window, `--sliding-window`, default the training length), its own block
+   bidirectionally, and never another block. Feature layers: `training_layer_ids`, never the
+   target's last layer unless asked (see `checkpoints.validate.last_layer_warning`).
 3. Loss: cross-entropy on block slots k = 1..B-1 predicting x_{anchor+k}, weighted exp(-(k-1)/gamma)
    (gamma 7/5/4 for B 16/10/8 in the paper), normalised by the weights. Embeddings and LM head are
    the target's, frozen; `fc`, norms and drafter layers train.
-   Optional (`--walk-anchors F`, not in the paper): a fraction F of each sequence's anchors is drawn
-   where the runtime would draft next after the blocks of that sequence's previous visit, i.e. one
-   past each block's accepted prefix (`walk_anchors`). The runtime drafts from the bonus token after
-   a rejection, so its anchors sit where drafting failed; uniform anchors under-train those.
+   Optional (not in the paper; `train.anchors`): the runtime drafts from the bonus token after each
+   verify, so its anchors sit where drafting failed, which uniform anchors under-train.
+   `--replay-every N` replays the runtime's exact accept path with the current drafter on the next
+   `--replay-sequences` sequences every N steps and logs its tau; with `--walk-anchors F` a share F
+   of each batch's rows are replayed sequences anchored on that path. `--walk-anchors F` alone draws
+   a share F of anchors one past the previous visit's accepted prefixes (a one-visit approximation).
 4. AdamW, cosine schedule with linear warm-up, grad clip 1.0, gradient accumulation, bf16 autocast
    on CUDA, checkpoint/resume (`<out>/checkpoint.pt`, also on Ctrl-C), rich progress with loss/ETA.
 Output: a z-lab layout drafter (`<out>/drafter/`) that our runtime and TensorRT-LLM load.
@@ -39,8 +43,9 @@ import torch.nn.functional as F
 from ..errors import InputError
 from ..models.drafter import DFlashConfig, DFlashDrafter, default_target_layer_ids, save_drafter
 from ..models.target import GptOssTarget
-from ..runtime.accept import accepted_prefix_length
+from ..plugins.draft_block.reference import context_visibility
 from ..runtime.proposers import DFlashProposer
+from .anchors import mix_anchors, path_rows, replay_walk, sample_anchors, walk_anchors
 
 
 LOG_EVERY = 50  # steps between plain log lines when the output is not a terminal
@@ -50,15 +55,18 @@ LOG_EVERY = 50  # steps between plain log lines when the output is not a termina
 class TrainConfig:
     drafter_layers: int = 1
     block_size: int = 8
-    target_layer_ids: list[int] | None = None  # None: z-lab's spread over [1, L-3]
-    num_features: int = 3
+    target_layer_ids: list[int] | None = None  # None: `training_layer_ids` (never the target's last layer)
+    num_features: int | None = None  # None: 3, or every layer below the last of a shallower target
     intermediate_size: int | None = None  # None: 2x hidden
     prompt_tokens: int = 64
     prompt_stride: int = 256  # corpus prompts start every this many tokens (a random half of them)
     response_tokens: int = 192
+    sliding_window: int | None = None  # drafter context window; None: the training length (0 on the CLI: none)
     num_samples: int = 2048
     anchors_per_sequence: int = 16
-    walk_anchor_fraction: float = 0.0  # share of anchors drawn at the previous visit's walk positions
+    walk_anchor_fraction: float = 0.0  # share of anchors drawn at the runtime's walk positions
+    replay_every: int = 0  # > 0: every this many steps replay the runtime's walk (`replay_walk`) ...
+    replay_sequences: int = 256  # ... on this many sequences (the next in a fixed shuffled order)
     gamma: float | None = None  # None: the paper's value for the block size
     batch_size: int = 16
     grad_accum: int = 1
@@ -75,6 +83,38 @@ class TrainConfig:
 
     def decay(self) -> float:
         return self.gamma or {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, self.block_size / 2)
+
+    def window(self) -> int | None:
+        if self.sliding_window is None:
+            return self.prompt_tokens + self.response_tokens
+        return self.sliding_window or None
+
+
+def training_layer_ids(num_layers: int, num_features: int) -> list[int]:
+    """dflash-train's default feature layers: z-lab's spread over [1, L-3] when that gives distinct
+    ids, else `num_features` distinct layers spread over [0, L-2]. Never the last layer L-1: there
+    z-lab / transformers (post-norm hidden_states[L]) and TensorRT-LLM (residual stream) disagree."""
+    if num_features > num_layers - 1:
+        raise InputError(f"a {num_layers}-layer target has only {num_layers - 1} layers below its last one; "
+                         f"pass --num-features {max(num_layers - 1, 1)} or fewer, or --target-layer-ids.",
+                         field="--num-features")
+    ids = default_target_layer_ids(num_layers, num_features)
+    if len(set(ids)) == len(ids) and all(0 <= i < num_layers - 1 for i in ids):
+        return ids
+    if num_features == 1:
+        return [(num_layers - 1) // 2]
+    return [round(i * (num_layers - 2) / (num_features - 1)) for i in range(num_features)]
+
+
+def check_training_layer_ids(ids: list[int], num_layers: int, field: str = "--target-layer-ids") -> str | None:
+    """Refuse ids outside the target or repeated; return a warning when they include the last layer."""
+    from ..checkpoints.validate import check_target_layer_ids, last_layer_warning
+
+    check_target_layer_ids(ids, num_layers, field)
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise InputError(f"ids {repeated} are repeated; each feature layer is fed once.", field=field)
+    return last_layer_warning(ids, num_layers, field)
 
 
 # ---------------------------------------------------------------------------- data
@@ -123,41 +163,15 @@ def regenerate(target: GptOssTarget, prompts: list[list[int]], response_tokens: 
 # ---------------------------------------------------------------------------- the training step
 
 
-def sample_anchors(num_sequences: int, anchors: int, first: int, last: int, gen: torch.Generator) -> torch.Tensor:
-    """[N, A] distinct anchor positions per sequence in [first, last], sorted."""
-    choices = torch.rand(num_sequences, last - first + 1, generator=gen).argsort(dim=1)[:, :anchors]
-    return (choices + first).sort(dim=1).values
-
-
-def walk_anchors(anchors: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
-    """Where the runtime would draft next after each block: [N, A] anchors + accepted prefix + 1.
-
-    `correct` [N, A, B-1]: did slot k's greedy draft equal x_{anchor+k}. The verify accepts the
-    leading run of correct slots and the target's own token follows, which anchors the next block."""
-    return anchors + accepted_prefix_length(correct) + 1
-
-
-def mix_anchors(uniform: torch.Tensor, candidates: torch.Tensor, fraction: float, last: int) -> torch.Tensor:
-    """[N, A] sorted distinct anchors: per row up to round(fraction * A) of the row's `candidates`
-    (walk positions from its previous visit; -1 or past `last` = none), the rest from `uniform`
-    (already distinct and in range) in their order."""
-    a = uniform.shape[1]
-    take = round(fraction * a)
-    rows = []
-    for row_uniform, row_candidates in zip(uniform.tolist(), candidates.tolist()):
-        chosen = list(dict.fromkeys(c for c in row_candidates if 0 <= c <= last))[:take]
-        seen = set(chosen)
-        chosen += [u for u in row_uniform if u not in seen][: a - len(chosen)]
-        rows.append(sorted(chosen))
-    return torch.tensor(rows, dtype=uniform.dtype)
-
-
-def training_mask(anchors: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
+def training_mask(anchors: torch.Tensor, block_size: int, seq_len: int,
+                  sliding_window: int | None = None) -> torch.Tensor:
     """Visibility [N, A*B, L + A*B] for queries = all blocks, keys = [context | all blocks]:
-    context position p is visible to block j iff p < anchor_j; block keys only within their block."""
+    context position p is visible to block j iff p < anchor_j (and, with a window W, slot k sees only
+    p > anchor_j + k - W, as at runtime); block keys only within their block."""
     n, a = anchors.shape
     block_of_query = torch.arange(a).repeat_interleave(block_size)  # [A*B]
-    context = torch.arange(seq_len)[None, None, :] < anchors[:, block_of_query, None]  # [N, A*B, L]
+    # the runtime's per-slot visibility, with each block's anchor as its context length
+    context = context_visibility(anchors.flatten(), block_size, seq_len, sliding_window).reshape(n, a * block_size, -1)
     same_block = block_of_query[:, None] == block_of_query[None, :]  # [A*B, A*B]
     return torch.cat([context, same_block.expand(n, -1, -1)], dim=-1)
 
@@ -193,7 +207,7 @@ def drafter_hidden(drafter: DFlashDrafter, target: GptOssTarget, sequences: torc
             features = target_features(target, sequences, cfg.target_layer_ids)
         tokens, block_positions, _ = block_inputs(sequences, anchors, b, cfg.mask_token_id)
         embeds = target.embed(tokens)
-    mask = training_mask(anchors.cpu(), b, seq_len).to(sequences.device)
+    mask = training_mask(anchors.cpu(), b, seq_len, cfg.sliding_window).to(sequences.device)
     return drafter.forward_train(features.clone(), positions, embeds.clone(), block_positions, mask)
 
 
@@ -280,7 +294,8 @@ def cosine_lr(step: int, total: int, peak: float, warmup: int) -> float:
 
 def new_drafter(target: GptOssTarget, cfg: TrainConfig, mask_token_id: int) -> DFlashDrafter:
     tc = target.config
-    layer_ids = cfg.target_layer_ids or default_target_layer_ids(tc.num_hidden_layers, cfg.num_features)
+    layer_ids = cfg.target_layer_ids or training_layer_ids(
+        tc.num_hidden_layers, cfg.num_features or min(3, max(tc.num_hidden_layers - 1, 1)))
     rope = dict(tc.rope_parameters)
     dcfg = DFlashConfig(
         hidden_size=tc.hidden_size, num_hidden_layers=cfg.drafter_layers, num_attention_heads=tc.num_attention_heads,
@@ -290,6 +305,7 @@ def new_drafter(target: GptOssTarget, cfg: TrainConfig, mask_token_id: int) -> D
         rms_norm_eps=tc.rms_norm_eps, rope_theta=rope.pop("rope_theta"),
         rope_scaling=rope if rope.get("rope_type", "default") != "default" else None, attention_bias=True,
         max_position_embeddings=tc.max_position_embeddings, vocab_size=tc.vocab_size,
+        sliding_window=cfg.window(),
     )
     torch.manual_seed(cfg.seed)
     model = DFlashDrafter(dcfg)
@@ -303,14 +319,20 @@ def warm_start(drafter: DFlashDrafter, source: Path) -> list[str]:
     """Copy every same-named, same-shaped tensor of the drafter in `source` (a dflash-train output
     or z-lab directory) into `drafter`. Layers the source lacks are appended on top as identity
     blocks (`o_proj` and `down_proj` zeroed), so a deeper drafter starts exactly where the
-    shallower one ended and training only has to add to it. Returns the names initialised fresh."""
+    shallower one ended and training only has to add to it. A source that reads more target layers
+    gives `fc` the columns of the layers kept (e.g. dropping the last layer). Returns the names
+    initialised fresh."""
     from ..models.drafter import load_drafter
 
     old = load_drafter(source, dtype=drafter.dtype)
     old_cfg, cfg = old.config, drafter.config
-    if old_cfg.target_layer_ids != cfg.target_layer_ids or old_cfg.block_size != cfg.block_size:
-        raise InputError("the warm-start drafter has other target_layer_ids or block size.", path=source)
+    if not set(cfg.target_layer_ids) <= set(old_cfg.target_layer_ids) or old_cfg.block_size != cfg.block_size:
+        raise InputError(f"the warm-start drafter reads target layers {old_cfg.target_layer_ids} with block size "
+                         f"{old_cfg.block_size}; this run needs a superset of {cfg.target_layer_ids} and block size "
+                         f"{cfg.block_size}.", path=source)
     state, fresh = old.state_dict(), []
+    columns = old.fc.weight.view(cfg.hidden_size, len(old_cfg.target_layer_ids), -1)
+    state["fc.weight"] = columns[:, [old_cfg.target_layer_ids.index(i) for i in cfg.target_layer_ids]].flatten(1)
     with torch.no_grad():
         for name, param in drafter.state_dict().items():
             if name in state and state[name].shape == param.shape:
@@ -344,7 +366,6 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
 
     from ..checkpoints.gpt_oss import load_hf_gpt_oss
     from ..checkpoints.publish import check_output_path
-    from ..checkpoints.validate import check_target_layer_ids
     from ..prompts import load_tokenizer
 
     # every check before --out is made: a failed start leaves nothing behind
@@ -356,7 +377,9 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
         if mask_token_id is None or mask_token_id == tokenizer.unk_token_id:
             raise InputError("the tokenizer has no '<|mask|>' token; pass --mask-token-id.", path=target_dir,
                              field="mask_token_id")
-    check_target_layer_ids(cfg.target_layer_ids or [], target.num_layers, "--target-layer-ids")
+    warning = check_training_layer_ids(cfg.target_layer_ids or [], target.num_layers)
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
     checkpoint_path, data_path = out / "checkpoint.pt", out / "responses.pt"
     state = torch.load(checkpoint_path, weights_only=False) if checkpoint_path.is_file() else None
     if state is not None:
@@ -393,14 +416,16 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                        {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
         gen = torch.Generator().manual_seed(cfg.seed)
-        step, history = 0, []
+        step, history, replays = 0, [], []
+        # --replay-every: the runtime's walk on each sequence, replayed in a fixed shuffled order
+        replay_order, paths = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(cfg.seed)), {}
         # per sequence, where the runtime would have drafted after its last visit's blocks (-1: none yet)
         walk = torch.full((len(sequences), cfg.anchors_per_sequence), -1, dtype=torch.int64)
         if state is not None:
             drafter.load_state_dict(state["drafter"])
             optimizer.load_state_dict(state["optimizer"])
             gen.set_state(state["generator"])
-            step, history = state["step"], state["history"]
+            step, history, replays = state["step"], state["history"], state.get("replays", [])
             if state.get("walk") is not None and state["walk"].shape == walk.shape:  # same data and --anchors
                 walk = state["walk"]
         elif fresh is not None:
@@ -409,7 +434,7 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
         def save() -> None:
             tmp = checkpoint_path.with_suffix(".tmp")
             torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                        "generator": gen.get_state(), "history": history, "walk": walk, "config": asdict(cfg)}, tmp)
+                        "generator": gen.get_state(), "history": history, "walk": walk, "replays": replays, "config": asdict(cfg)}, tmp)
             tmp.replace(checkpoint_path)
 
         feature_cache = None
@@ -426,18 +451,36 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
         task = progress.add_task("training drafter", total=cfg.steps, completed=step, info="")
         started = last_save = time.time()
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-        use_walk = cfg.walk_anchor_fraction > 0
+        replay = cfg.replay_every > 0  # also just to report the runtime-path tau
+        use_walk = cfg.walk_anchor_fraction > 0 and not replay  # the one-visit approximation of the walk
+        use_paths = cfg.walk_anchor_fraction > 0 and replay
+
+        def replay_paths() -> None:
+            start = (step // cfg.replay_every * cfg.replay_sequences) % len(sequences)
+            rows = replay_order.roll(-start)[: cfg.replay_sequences]
+            features = (target_features(target, sequences[rows].to(device), drafter.config.target_layer_ids)
+                        if feature_cache is None else feature_cache[rows].to(device, torch.float32))
+            found, tau = replay_walk(drafter, target, sequences[rows].to(device), features, first)
+            paths.update(zip(rows.tolist(), found))
+            replays.append({"step": step, "sequences": len(rows), "runtime_path_tau": tau})
+            progress.console.log(f"step {step}: runtime-path tau {tau:.3f} on {len(rows)} training sequences")
         try:
             while step < cfg.steps:
                 for group in optimizer.param_groups:
                     group["lr"] = cosine_lr(step, cfg.steps, cfg.lr, warmup)
+                if replay and (step % cfg.replay_every == 0 or not paths):
+                    replay_paths()
                 total = 0.0
                 for _ in range(cfg.grad_accum):
                     rows = torch.randint(0, len(sequences), (cfg.batch_size,), generator=gen)
-                    batch = sequences[rows].to(device)
                     anchors = sample_anchors(cfg.batch_size, cfg.anchors_per_sequence, first, last, gen)
-                    if use_walk:
+                    if use_paths:  # a share of the rows: replayed sequences, anchored on the runtime's path
+                        rows, candidates = path_rows(rows, paths, cfg.walk_anchor_fraction,
+                                                     cfg.anchors_per_sequence, gen)
+                        anchors = mix_anchors(anchors, candidates, 1.0, last)
+                    elif use_walk:
                         anchors = mix_anchors(anchors, walk[rows], cfg.walk_anchor_fraction, last)
+                    batch = sequences[rows].to(device)
                     features = None if feature_cache is None else feature_cache[rows].to(device, torch.float32)
                     with autocast:
                         loss, next_anchors = drafter_loss(drafter, target, batch, anchors.to(device), cfg.decay(),
@@ -461,7 +504,7 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
                     break
         finally:
             save()
-    (out / "history.json").write_text(json.dumps({"loss": history, "config": asdict(cfg)}))
+    (out / "history.json").write_text(json.dumps({"loss": history, "replays": replays, "config": asdict(cfg)}))
     return save_drafter(drafter.eval(), out / "drafter")
 
 
@@ -474,17 +517,28 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
 @click.option("--drafter-layers", default=TrainConfig.drafter_layers, show_default=True, type=click.IntRange(min=1))
 @click.option("--block-size", default=TrainConfig.block_size, show_default=True, type=click.IntRange(min=2),
               help="Anchor + drafts per block (at least 2).")
-@click.option("--num-features", default=TrainConfig.num_features, show_default=True, type=click.IntRange(min=1))
-@click.option("--target-layer-ids", help="Comma-separated; default spreads --num-features over [1, L-3].")
+@click.option("--num-features", type=click.IntRange(min=1),
+              help="Target layers fed to the drafter. Default: 3, or all layers below the last of a shallower target.")
+@click.option("--target-layer-ids", help="Comma-separated; default spreads --num-features over [1, L-3] (z-lab), "
+                                         "or over [0, L-2] when that repeats a layer; never the last layer.")
 @click.option("--prompt-tokens", default=TrainConfig.prompt_tokens, show_default=True, type=click.IntRange(min=1))
 @click.option("--prompt-stride", default=TrainConfig.prompt_stride, show_default=True, type=click.IntRange(min=1),
               help="Corpus prompts start every this many tokens (a random half of the windows is kept).")
 @click.option("--response-tokens", default=TrainConfig.response_tokens, show_default=True, type=click.IntRange(min=1))
+@click.option("--sliding-window", type=click.IntRange(min=0),
+              help="Drafter context window W (a block sees the W-1 positions before each slot). Default: the "
+                   "training length (--prompt-tokens + --response-tokens); 0: the whole context.")
 @click.option("--num-samples", default=TrainConfig.num_samples, show_default=True, type=click.IntRange(min=1))
 @click.option("--anchors", default=TrainConfig.anchors_per_sequence, show_default=True, type=click.IntRange(min=1))
 @click.option("--walk-anchors", "walk_anchor_fraction", default=TrainConfig.walk_anchor_fraction, show_default=True,
               type=click.FloatRange(0, 1),
-              help="Share of anchors drawn where the runtime would draft next after the previous visit's blocks.")
+              help="Share of anchors drawn where the runtime drafts: with --replay-every, on its replayed walk; "
+                   "else one past the previous visit's accepted prefixes.")
+@click.option("--replay-every", default=TrainConfig.replay_every, show_default=True, type=click.IntRange(min=0),
+              help="Every this many steps, replay the runtime's accept path with the current drafter on "
+                   "--replay-sequences training sequences (and log its tau); 0: never.")
+@click.option("--replay-sequences", default=TrainConfig.replay_sequences, show_default=True,
+              type=click.IntRange(min=1))
 @click.option("--batch-size", default=TrainConfig.batch_size, show_default=True, type=click.IntRange(min=1))
 @click.option("--grad-accum", default=TrainConfig.grad_accum, show_default=True, type=click.IntRange(min=1))
 @click.option("--steps", default=TrainConfig.steps, show_default=True, type=click.IntRange(min=1))
@@ -499,8 +553,8 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
 @click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True),
               help="Stop (and checkpoint) after this long; re-run to resume.")
 def main(target_dir, out, data, prompts_file, mask_token_id, drafter_layers, block_size, num_features,
-         target_layer_ids, prompt_tokens, prompt_stride, response_tokens, num_samples, anchors, walk_anchor_fraction,
-         batch_size, grad_accum, steps, lr, seed, init_from, cache_features, device, threads, max_minutes):
+         target_layer_ids, prompt_tokens, prompt_stride, response_tokens, sliding_window, num_samples, anchors,
+         walk_anchor_fraction, replay_every, replay_sequences, batch_size, grad_accum, steps, lr, seed, init_from, cache_features, device, threads, max_minutes):
     """Train a DFlash drafter on the target's own greedy continuations."""
     from ..cli.common import clean_errors, parse_ints, resolve_device
 
@@ -512,8 +566,9 @@ def main(target_dir, out, data, prompts_file, mask_token_id, drafter_layers, blo
                           target_layer_ids=(parse_ints(target_layer_ids, "--target-layer-ids", 0)
                                             if target_layer_ids else None),
                           prompt_tokens=prompt_tokens, prompt_stride=prompt_stride, response_tokens=response_tokens,
-                          num_samples=num_samples, anchors_per_sequence=anchors,
-                          walk_anchor_fraction=walk_anchor_fraction, batch_size=batch_size, grad_accum=grad_accum,
+                          sliding_window=sliding_window, num_samples=num_samples, anchors_per_sequence=anchors,
+                          walk_anchor_fraction=walk_anchor_fraction, replay_every=replay_every,
+                          replay_sequences=replay_sequences, batch_size=batch_size, grad_accum=grad_accum,
                           steps=steps, lr=lr, seed=seed, init_from=str(init_from) if init_from else None,
                           cache_features=cache_features)
         path = train(target_dir, out, cfg, "file" if prompts_file else data, prompts_file, mask_token_id,
