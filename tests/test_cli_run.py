@@ -88,6 +88,9 @@ def test_spread_wider_than_the_effect_is_a_warning():
     assert noisy["spread_wider_than_effect"]
     assert (noisy["speedup_min"], noisy["speedup_max"]) == pytest.approx((0.55, 2.2))
     assert "0.55x..2.20x" in spread_warning(noisy) and "--threads 1" in spread_warning(noisy)
+    one_thread = summary_record(run(1.0), [run(1.0), run(0.5), run(2.0)], [run(1.1)] * 3, 1,
+                                **{**settings, "threads": 1})
+    assert "--threads 1" not in spread_warning(one_thread)  # already one thread: not advised again
 
 
 @pytest.mark.parametrize("args,option", [(["--sa-threshold", 0], "--sa-threshold"),

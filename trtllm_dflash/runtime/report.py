@@ -69,10 +69,12 @@ def summary_record(results: list[GenerationResult], spec_runs: list[list[Generat
 def spread_warning(summary: dict) -> str | None:
     if not summary.get("spread_wider_than_effect"):
         return None
+    remedies = ("more --repeats", "a quieter machine") if summary.get("threads") == 1 else (
+        "--threads 1", "more --repeats", "a quieter machine")
     return (f"warning: over {summary['repeats']} interleaved repeats the speed-up ranged "
             f"{summary['speedup_min']:.2f}x..{summary['speedup_max']:.2f}x, wider than its distance from 1.0x "
-            f"(median {summary['speedup']:.2f}x): noise, not a result. Try --threads 1, more --repeats, or a "
-            "quieter machine.")
+            f"(median {summary['speedup']:.2f}x): noise, not a result. Try {', '.join(remedies[:-1])} or "
+            f"{remedies[-1]}.")
 
 
 def print_report(records: list[dict], summary: dict, results: list[GenerationResult], batch_size: int,
