@@ -3,7 +3,7 @@ vs autoregressive, same prompts, one process.
 
     python benchmarks/bench_reference_runtime.py [--target DIR --drafter DIR] [--prompts-file FILE]
                                                  [--batch-size N] [--max-tokens N] [--repeats N]
-                                                 [--threads N] [--sa-thresholds 2,3,4]
+                                                 [--threads N] [--sa-thresholds 2,3,4] [--adaptive]
 
 Pair: --target/--drafter, else the embedded default pair with its held-out prompts, else (with
 --random) a random pair at the embedded scale, where acceptance is meaningless and the numbers
@@ -11,14 +11,17 @@ show the loop's overhead only. The runs are interleaved per batch of prompts (ev
 batch before the next, in rotating order) and speed-ups are the median of per-repeat ratios
 (min..max beside it), so machine noise largely cancels. tau is pooled:
 committed tokens over verify steps of all prompts. Greedy outputs are also checked for
-losslessness against the autoregressive run.
+losslessness against the autoregressive run. With --adaptive, DFlash and dflash-sa also run with a
+per-step adaptive draft length (`runtime/draft_length.py`), its step costs measured here first.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +31,7 @@ from trtllm_dflash.models.drafter import load_drafter
 from trtllm_dflash.models.random_pair import drafter_config_for, save_random_drafter, save_random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
+from trtllm_dflash.runtime.draft_length import AdaptiveDraftLength, measure_step_costs
 from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer, NGramProposer, SuffixDFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
@@ -59,6 +63,8 @@ def main() -> None:
                         help="extra DFlash rows at these block sizes (comma-separated, e.g. 4,6)")
     parser.add_argument("--sa-thresholds", default=str(DEFAULT_SA_THRESHOLD),
                         help="dflash-sa rows at these suffix-match thresholds (comma-separated)")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="add DFlash and dflash-sa rows with a per-step adaptive draft length")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -93,6 +99,20 @@ def main() -> None:
     for threshold in (int(x) for x in args.sa_thresholds.split(",") if x):
         runtimes[f"dflash-sa{threshold}"] = ReferenceRuntime(
             target, SuffixDFlashProposer(DFlashProposer(drafter, target), threshold))
+    policies: dict[str, AdaptiveDraftLength] = {}
+    if args.adaptive:
+        start = time.perf_counter()
+        costs = measure_step_costs(target, lambda: DFlashProposer(drafter, target), args.batch_size, block - 1)
+        print(f"step costs at batch {args.batch_size} (ms, K = 0..{block - 1}; measured in "
+              f"{time.perf_counter() - start:.1f} s): " + "; ".join(
+                  f"{source} " + " ".join(f"{c * 1e3:.2f}" for c in row) for source, row in costs.items()))
+        policies["dflash-adapt"] = AdaptiveDraftLength(costs)
+        runtimes["dflash-adapt"] = ReferenceRuntime(target, DFlashProposer(drafter, target,
+                                                                           policy=policies["dflash-adapt"]))
+        threshold = int(args.sa_thresholds.split(",")[0])
+        policies[f"dflash-sa{threshold}-adapt"] = AdaptiveDraftLength(costs)
+        runtimes[f"dflash-sa{threshold}-adapt"] = ReferenceRuntime(target, SuffixDFlashProposer(
+            DFlashProposer(drafter, target), threshold, policy=policies[f"dflash-sa{threshold}-adapt"]))
     for runtime in runtimes.values():
         runtime.warm_up(prompts[0])
     rates: dict[str, list[float]] = {name: [] for name in runtimes}
@@ -134,6 +154,12 @@ def main() -> None:
     for name in runtimes:
         if name != "autoregressive":
             print(f"{name} per-position acceptance: " + " ".join(f"{x:.2f}" for x in per_position[name]))
+    for name, policy in policies.items():
+        for source, chosen in policy.chosen.items():
+            if chosen:
+                counts = collections.Counter(chosen)
+                print(f"{name} chosen K for {source} drafts (all repeats): "
+                      + " ".join(f"{k}:{counts[k] / len(chosen):.0%}" for k in sorted(counts)))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 The suffix index is checked against a brute-force longest match; the hybrid is token-identical to
 greedy `generate` on a random and the embedded pair with suffix and neural rows mixed in one batch, reaches tau = block_size on a
-forced repeat, and leaves the drafter's context exactly as a fresh prefill would.
+forced repeat, and leaves the drafter's context exactly as a fresh prefill would. With an adaptive
+draft length (any K per step) DFlash and the hybrid stay token-identical.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from trtllm_dflash.errors import InputError
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
+from trtllm_dflash.runtime.draft_length import AcceptanceEstimate, AdaptiveDraftLength, measure_step_costs
 from trtllm_dflash.runtime.proposers import DFlashProposer, SuffixDFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime, prefill
 from trtllm_dflash.runtime.sampling import SamplingParams
@@ -207,3 +209,64 @@ def test_threshold_below_one_is_refused(random_pair):
     target, drafter, _, _ = random_pair
     with pytest.raises(InputError, match="sa_threshold"):
         SuffixDFlashProposer(DFlashProposer(drafter, target), threshold=0)
+
+
+def test_acceptance_estimate_counts_positions_up_to_the_first_rejection():
+    estimate = AcceptanceEstimate(most=4, decay=1.0, prior=0.5, prior_weight=1.0)
+    estimate.observe(3, [1, 3, 0])  # row 0 kept 1 of 3, row 1 all 3, row 2 none
+    assert estimate.trials == [3, 2, 1, 0] and estimate.accepted == [2, 1, 1, 0]
+    assert estimate.rates() == pytest.approx([2.5 / 4, 1.5 / 3, 1.5 / 2, 0.5])
+    r = estimate.rates()
+    survive = [r[0], r[0] * r[1], r[0] * r[1] * r[2], r[0] * r[1] * r[2] * r[3]]
+    assert estimate.expected_tokens() == pytest.approx([1, 1 + sum(survive[:1]), 1 + sum(survive[:2]),
+                                                        1 + sum(survive[:3]), 1 + sum(survive)])
+    decaying = AcceptanceEstimate(most=2, decay=0.5)
+    decaying.observe(1, [0])  # position 0 rejected once; position 1 untried
+    assert decaying.rates()[0] == pytest.approx(0.25)
+    for _ in range(20):
+        decaying.observe(1, [1])  # every later step keeps its only draft: the old rejection fades
+    assert decaying.rates()[0] == pytest.approx((2 + 0.5) / (2 + 1), abs=1e-5)  # 2 = the decayed trial count
+    assert decaying.rates()[1] == 0.5
+
+
+def test_adaptive_draft_length_trades_acceptance_against_cost():
+    costs = {"neural": [1.0, 1.1, 1.2, 1.3], "suffix": [1.0, 1.1, 1.2, 1.3]}
+    policy = AdaptiveDraftLength(costs)
+    assert policy.choose("neural", 3) == 2  # prior 0.5: 1.75 tokens / 1.2 beats 1.5 / 1.1 and 1.875 / 1.3
+    for _ in range(10):
+        policy.observe("neural", 2, [0])  # the drafter's first draft always fails
+        policy.observe("suffix", 3, [3])  # the suffix drafts always hold
+    assert policy.choose("neural", 3) == 1 and policy.choose("suffix", 3) == 3
+    assert policy.choose("suffix", 2) == 2  # never more than the loop allows
+    assert AdaptiveDraftLength({"neural": [1.0, 1.0, 1.0, 1.0]}).choose("neural", 3) == 3  # free drafts: all
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_adaptive_draft_length_stays_token_identical(random_pair, batch_size):
+    target, drafter, prompts, expected = random_pair
+    costs = {"neural": [1.0, 1.1, 1.2, 1.3], "suffix": [1.0, 1.1, 1.2, 1.3]}
+    params = SamplingParams(max_tokens=24)
+    plain_policy, hybrid_policy = AdaptiveDraftLength(costs), AdaptiveDraftLength(costs)
+    plain = ReferenceRuntime(target, DFlashProposer(drafter, target, policy=plain_policy))
+    hybrid = ReferenceRuntime(target, SuffixDFlashProposer(DFlashProposer(drafter, target), 2, policy=hybrid_policy))
+    for runtime in (plain, hybrid):
+        results = runtime.generate(prompts, params, batch_size=batch_size)
+        assert [r.output_token_ids for r in results] == expected
+    chosen = plain_policy.chosen["neural"] + hybrid_policy.chosen["neural"] + hybrid_policy.chosen["suffix"]
+    assert len(set(chosen)) > 1, "the policy never changed K: the test would not exercise a varying block"
+
+
+def test_measured_step_costs_cover_every_draft_length(random_pair):
+    target, drafter, _, _ = random_pair
+    costs = measure_step_costs(target, lambda: DFlashProposer(drafter, target), batch=2, most=3, context=20, rounds=2)
+    assert set(costs) == {"neural", "suffix"}
+    for row in costs.values():
+        assert len(row) == 4 and all(c > 0 for c in row) and row == sorted(row)
+    assert all(n >= s for n, s in zip(costs["neural"][1:], costs["suffix"][1:]))  # suffix steps skip the drafter
+
+
+def test_the_hybrid_refuses_a_policy_on_its_dflash_proposer(random_pair):
+    target, drafter, _, _ = random_pair
+    policy = AdaptiveDraftLength({"neural": [1.0, 1.0], "suffix": [1.0, 1.0]})
+    with pytest.raises(ValueError, match="hybrid proposer only"):
+        SuffixDFlashProposer(DFlashProposer(drafter, target, policy=policy), 2, policy=policy)

@@ -17,6 +17,7 @@ from ..errors import InputError
 from ..models.drafter import DFlashDrafter
 from ..models.target import GptOssTarget
 from .accept import sample_from_probs
+from .draft_length import AdaptiveDraftLength
 from .sampling import SamplingParams, probabilities
 from .suffix_index import SuffixIndex
 
@@ -51,13 +52,15 @@ class DFlashProposer:
     Invariants: after `propose`, the draft cache holds context K/V for positions [0, s) of each
     request (s = anchor position); the anchor reaches the drafter only through its embedding;
     `commit` queues the verify features of the anchor and the accepted drafts for the next call.
+    With a `policy` (`AdaptiveDraftLength`) each step drafts the K it chooses (at most the loop's).
     """
 
     needs_history = False
 
-    def __init__(self, drafter: DFlashDrafter, target: GptOssTarget, block_size: int | None = None):
+    def __init__(self, drafter: DFlashDrafter, target: GptOssTarget, block_size: int | None = None,
+                 policy: AdaptiveDraftLength | None = None):
         cfg = drafter.config
-        self.drafter, self.target = drafter, target
+        self.drafter, self.target, self.policy = drafter, target, policy
         self.block_size = block_size or cfg.block_size
         self.num_drafts = self.block_size - 1
         self.feature_layers = list(cfg.target_layer_ids)
@@ -82,6 +85,8 @@ class DFlashProposer:
         self.pending, self.pending_lens = self.pending[:, :0], self.pending_lens.zero_()
 
     def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
+        if self.policy is not None:
+            num_drafts = self.policy.choose("neural", num_drafts)
         self.write_pending_context()
         width = num_drafts + 1
         block = self.block[:, :width]
@@ -98,6 +103,8 @@ class DFlashProposer:
     def commit(self, features, num_accepted):
         """Queue the committed positions' features; usually the queue is empty (one step's worth),
         but steps without drafting (draft length 0 under load) let it grow until the next draft."""
+        if self.policy is not None:
+            self.policy.observe("neural", features.shape[1] - 1, num_accepted.tolist())
         self.pending, self.pending_lens = append_ragged(self.pending, self.pending_lens, features, num_accepted + 1)
 
     def keep_rows(self, rows):
@@ -169,15 +176,20 @@ class SuffixDFlashProposer:
     Each request has a `SuffixIndex` that reads only the tokens committed since the last step.
     When every row takes suffix drafts the drafter's block forward is skipped, but its context K/V
     of the committed tokens is still written. `suffix_rows` says which rows of the last `propose`
-    took suffix drafts (the loop counts them per request as `suffix_steps`).
+    took suffix drafts (the loop counts them per request as `suffix_steps`). With a `policy` the
+    step drafts the K it chooses for the suffix source when every row has a match, else for the
+    drafter (suffix rows then take that many of their drafts); `dflash` itself must have none.
     """
 
     needs_history = True
 
-    def __init__(self, dflash: DFlashProposer, threshold: int = DEFAULT_SA_THRESHOLD):
+    def __init__(self, dflash: DFlashProposer, threshold: int = DEFAULT_SA_THRESHOLD,
+                 policy: AdaptiveDraftLength | None = None):
         if threshold < 1:
             raise InputError(f"expected at least 1, got {threshold}.", field="sa_threshold")
-        self.dflash, self.threshold = dflash, threshold
+        if policy is not None and dflash.policy is not None:
+            raise ValueError("give the adaptive draft length to the hybrid proposer only, not to its DFlash proposer")
+        self.dflash, self.threshold, self.policy = dflash, threshold, policy
         self.num_drafts, self.feature_layers = dflash.num_drafts, dflash.feature_layers
         self.suffix_rows: list[bool] = []
 
@@ -196,6 +208,9 @@ class SuffixDFlashProposer:
     def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
         matched = self.suffix_drafts(history, num_drafts)
         self.suffix_rows = [row is not None for row in matched]
+        if self.policy is not None:
+            num_drafts = self.policy.choose("suffix" if all(self.suffix_rows) else "neural", num_drafts)
+            matched = [None if row is None else row[:num_drafts] for row in matched]
         if all(self.suffix_rows):
             self.dflash.write_pending_context()
             return torch.tensor(matched, dtype=anchors.dtype, device=anchors.device), None
@@ -209,6 +224,11 @@ class SuffixDFlashProposer:
         return drafts, q
 
     def commit(self, features, num_accepted):
+        if self.policy is not None:
+            kept = num_accepted.tolist()
+            for source, suffix in (("suffix", True), ("neural", False)):
+                rows = [a for a, row in zip(kept, self.suffix_rows) if row == suffix]
+                self.policy.observe(source, features.shape[1] - 1, rows)
         self.dflash.commit(features, num_accepted)
 
     def keep_rows(self, rows):

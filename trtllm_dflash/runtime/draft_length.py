@@ -1,0 +1,154 @@
+"""Adaptive draft length: per step, the number of drafts K that maximises the expected committed
+tokens per second of step, from a running estimate of per-position acceptance and a table of
+measured step costs (issue 17, round 2).
+
+Why: on a small target an 8-token verify costs ~1.7 AR steps while tau is ~2.6, and the last draft
+positions are rarely accepted, so a shorter block can commit nearly as many tokens for less.
+Any K is lossless (greedy and rejection sampling alike): K depends on past steps only, never on
+the drafts or the random numbers of the step it sizes.
+
+Drafts come from two sources with very different acceptance (dflash-sa): the DFlash drafter
+("neural") and the suffix match ("suffix"); each has its own estimate and cost row.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+SOURCES = ("neural", "suffix")
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per-position conditional acceptance p[j] = P(draft j+1 accepted | drafts 1..j accepted), from
+    counts that decay every step toward a prior: a position the chosen K leaves untried drifts back
+    to the prior, so it gets tried again when it looks worth it."""
+
+    most: int
+    decay: float = 0.9  # per step: the estimate follows roughly the last 1 / (1 - decay) steps
+    prior: float = 0.5
+    prior_weight: float = 1.0  # pseudo-trials of the prior
+    accepted: list[float] = field(init=False)
+    trials: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.accepted, self.trials = [0.0] * self.most, [0.0] * self.most
+
+    def rates(self) -> list[float]:
+        return [(a + self.prior * self.prior_weight) / (t + self.prior_weight)
+                for a, t in zip(self.accepted, self.trials)]
+
+    def observe(self, num_drafts: int, num_accepted: list[int]) -> None:
+        """One step: each row verified `num_drafts` drafts and kept the first num_accepted[row]."""
+        self.accepted = [a * self.decay for a in self.accepted]
+        self.trials = [t * self.decay for t in self.trials]
+        for kept in num_accepted:
+            for position in range(min(kept + 1, num_drafts)):  # positions past the first rejection: untried
+                self.trials[position] += 1
+                self.accepted[position] += position < kept
+
+    def expected_tokens(self) -> list[float]:
+        """[K] -> expected committed tokens of a step with K drafts (the bonus token included)."""
+        expected, survive = [1.0], 1.0
+        for rate in self.rates():
+            survive *= rate
+            expected.append(expected[-1] + survive)
+        return expected
+
+
+class AdaptiveDraftLength:
+    """Chooses K in [least, most] per step and source: argmax of expected tokens / cost[source][K].
+
+    `costs[source][K]` is the measured seconds of a step with K drafts from that source (index 0
+    unused unless least is 0); see `measure_step_costs`. `least` is 1 by default so the estimate keeps
+    learning (a step without drafts observes nothing)."""
+
+    def __init__(self, costs: dict[str, list[float]], least: int = 1, decay: float = 0.9, prior: float = 0.5):
+        self.costs, self.least = costs, least
+        self.most = min(len(row) for row in costs.values()) - 1
+        self.estimates = {source: AcceptanceEstimate(self.most, decay, prior) for source in costs}
+        self.chosen: dict[str, list[int]] = {source: [] for source in costs}  # K of every step, for reports
+
+    def choose(self, source: str, most: int) -> int:
+        most = min(most, self.most)
+        if most <= self.least:
+            return most
+        expected, cost = self.estimates[source].expected_tokens(), self.costs[source]
+        k = max(range(self.least, most + 1), key=lambda k: expected[k] / cost[k])
+        self.chosen[source].append(k)
+        return k
+
+    def observe(self, source: str, num_drafts: int, num_accepted: list[int]) -> None:
+        if num_drafts and num_accepted:
+            self.estimates[source].observe(num_drafts, num_accepted)
+
+
+def interleaved_medians(calls: list, rounds: int) -> list[float]:
+    """Median seconds of each call, timed round-robin (every call once per round) so that load from
+    other jobs hits them alike."""
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(rounds):
+        for call, record in zip(calls, times):
+            start = time.perf_counter()
+            call()
+            record.append(time.perf_counter() - start)
+    return [statistics.median(record) for record in times]
+
+
+def nondecreasing(costs: list[float]) -> list[float]:
+    """A step with more drafts never costs less (the extra work is a superset): a noisy measurement
+    that says otherwise is raised to the running maximum."""
+    out = []
+    for cost in costs:
+        out.append(max(cost, out[-1]) if out else cost)
+    return out
+
+
+@torch.inference_mode()
+def measure_step_costs(target, make_proposer, batch: int, most: int, context: int = 200,
+                       rounds: int = 20) -> dict[str, list[float]]:
+    """Seconds of a step with K = 0..most drafts at `batch` rows and a `context`-token history, per
+    source: "neural" = drafter step (context write of 3 committed tokens + block forward + LM head)
+    + verify of K + 1 tokens; "suffix" = context write + verify (no drafter forward). `make_proposer()`
+    gives a fresh `DFlashProposer` (its state is scratch here). Medians over `rounds` interleaved rounds,
+    made nondecreasing in K."""
+    from .sampling import SamplingParams
+
+    device = target.device
+    generator = torch.Generator(device=device).manual_seed(0)
+    tokens = torch.randint(0, target.vocab_size, (batch, context), generator=generator, device=device)
+    positions = torch.arange(context, device=device).expand(batch, -1)
+    proposer = make_proposer()
+    committed = 3
+    capacity = context + (most + 1) * rounds * committed + most + 2
+    cache = target.new_cache(batch, capacity)
+    _, features = target(tokens, positions, cache, proposer.feature_layers)
+    lens = torch.full((batch,), context, device=device)
+    proposer.start(features, lens, capacity)
+    proposer.write_pending_context()
+    new_features = features[:, :committed]
+    kept = torch.full((batch,), committed - 1, device=device)
+    params, anchors = SamplingParams(), tokens[:, -1]
+
+    def context_write():
+        proposer.commit(new_features, kept)
+        proposer.write_pending_context()
+
+    def draft(k):
+        proposer.commit(new_features, kept)
+        proposer.propose(anchors, proposer.context_lens, [], k, params, generator)
+
+    def verify(k):
+        target(tokens[:, : k + 1], context + torch.arange(k + 1, device=device).expand(batch, -1), cache,
+               proposer.feature_layers)
+
+    calls = [context_write] + [lambda k=k: verify(k) for k in range(most + 1)]
+    calls += [lambda k=k: draft(k) for k in range(1, most + 1)]
+    medians = interleaved_medians(calls, rounds)
+    write, verifies, drafts = medians[0], medians[1: most + 2], [0.0] + medians[most + 2:]
+    return {"neural": nondecreasing([v + d for v, d in zip(verifies, drafts)]),
+            "suffix": nondecreasing([verifies[0]] + [v + write for v in verifies[1:]])}
