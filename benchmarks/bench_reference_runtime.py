@@ -11,7 +11,8 @@ show the loop's overhead only. The runs are interleaved per batch of prompts (ev
 batch before the next, in rotating order) and speed-ups are the median of per-repeat ratios
 (min..max beside it), so machine noise largely cancels. tau is pooled:
 committed tokens over verify steps of all prompts. Greedy outputs are also checked for
-losslessness against the autoregressive run. With --adaptive, DFlash and dflash-sa also run with a
+losslessness against the autoregressive run. With --bf16-head, DFlash and dflash-sa also run with
+their draft logits from a bfloat16 copy of the LM head. With --adaptive, DFlash and dflash-sa also run with a
 per-step adaptive draft length (`runtime/draft_length.py`), its step costs measured here first.
 """
 
@@ -65,6 +66,8 @@ def main() -> None:
                         help="dflash-sa rows at these suffix-match thresholds (comma-separated)")
     parser.add_argument("--adaptive", action="store_true",
                         help="add DFlash and dflash-sa rows with a per-step adaptive draft length")
+    parser.add_argument("--bf16-head", action="store_true",
+                        help="add DFlash and dflash-sa rows whose draft logits come from a bfloat16 LM head copy")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -99,6 +102,12 @@ def main() -> None:
     for threshold in (int(x) for x in args.sa_thresholds.split(",") if x):
         runtimes[f"dflash-sa{threshold}"] = ReferenceRuntime(
             target, SuffixDFlashProposer(DFlashProposer(drafter, target), threshold))
+    if args.bf16_head:
+        threshold = int(args.sa_thresholds.split(",")[0])
+        runtimes["dflash-bf16head"] = ReferenceRuntime(target, DFlashProposer(drafter, target,
+                                                                              head_dtype=torch.bfloat16))
+        runtimes[f"dflash-sa{threshold}-bf16head"] = ReferenceRuntime(target, SuffixDFlashProposer(
+            DFlashProposer(drafter, target, head_dtype=torch.bfloat16), threshold))
     policies: dict[str, AdaptiveDraftLength] = {}
     if args.adaptive:
         start = time.perf_counter()

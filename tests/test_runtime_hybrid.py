@@ -270,3 +270,19 @@ def test_the_hybrid_refuses_a_policy_on_its_dflash_proposer(random_pair):
     policy = AdaptiveDraftLength({"neural": [1.0, 1.0], "suffix": [1.0, 1.0]})
     with pytest.raises(ValueError, match="hybrid proposer only"):
         SuffixDFlashProposer(DFlashProposer(drafter, target, policy=policy), 2, policy=policy)
+
+
+def test_a_bfloat16_draft_head_stays_token_identical_and_close(random_pair):
+    """The draft logits from a bf16 copy of the LM head differ from the fp32 ones only by bf16
+    rounding, and DFlash and the hybrid with it stay token-identical to generate."""
+    target, drafter, prompts, expected = random_pair
+    params = SamplingParams(max_tokens=24)
+    fast = DFlashProposer(drafter, target, head_dtype=torch.bfloat16)
+    for proposer in (fast, SuffixDFlashProposer(DFlashProposer(drafter, target, head_dtype=torch.bfloat16), 2)):
+        results = ReferenceRuntime(target, proposer).generate(prompts, params, batch_size=3)
+        assert [r.output_token_ids for r in results] == expected
+    hidden = torch.randn(2, 3, target.hidden_size)
+    exact = DFlashProposer(drafter, target).draft_logits(hidden)
+    rounded = fast.draft_logits(hidden)
+    assert rounded.dtype == torch.float32 and rounded.shape == exact.shape
+    assert not torch.equal(rounded, exact) and torch.allclose(rounded, exact, rtol=0.05, atol=0.05)

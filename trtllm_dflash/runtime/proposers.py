@@ -53,14 +53,20 @@ class DFlashProposer:
     request (s = anchor position); the anchor reaches the drafter only through its embedding;
     `commit` queues the verify features of the anchor and the accepted drafts for the next call.
     With a `policy` (`AdaptiveDraftLength`) each step drafts the K it chooses (at most the loop's).
+    With `head_dtype` (e.g. bfloat16) the draft logits come from a copy of the target's LM head in
+    that dtype: on a small model that 4 MB GEMM is the largest of the drafter step, and drafts need
+    not be exact (the target verifies them; sampled drafts carry the q they were drawn from).
     """
 
     needs_history = False
 
     def __init__(self, drafter: DFlashDrafter, target: GptOssTarget, block_size: int | None = None,
-                 policy: AdaptiveDraftLength | None = None):
+                 policy: AdaptiveDraftLength | None = None, head_dtype: torch.dtype | None = None):
         cfg = drafter.config
         self.drafter, self.target, self.policy = drafter, target, policy
+        head = target.hf.lm_head
+        self.head = None if head_dtype is None else (
+            head.weight.detach().to(head_dtype), None if head.bias is None else head.bias.detach().to(head_dtype))
         self.block_size = block_size or cfg.block_size
         self.num_drafts = self.block_size - 1
         self.feature_layers = list(cfg.target_layer_ids)
@@ -93,12 +99,20 @@ class DFlashProposer:
         block[:, 0] = anchors
         positions = anchor_positions[:, None] + self.columns[:width]
         hidden = self.drafter(self.target.embed(block), positions, self.cache, self.context_lens)
-        logits = self.target.lm_head(hidden[:, 1:].to(self.target.dtype))
+        logits = self.draft_logits(hidden[:, 1:])
         if params.greedy:
             return logits.argmax(dim=-1), None
         q = probabilities(logits, params)
         uniforms = torch.rand(q.shape[:-1], generator=generator, device=q.device)
         return sample_from_probs(q, uniforms), q
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float logits [b, K, V] of the drafter's final-normed hidden states [b, K, H]."""
+        if self.head is None:
+            return self.target.lm_head(hidden.to(self.target.dtype))
+        weight, bias = self.head
+        logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype), weight, bias)
+        return logits.view(*hidden.shape[:-1], -1).float()
 
     def commit(self, features, num_accepted):
         """Queue the committed positions' features; usually the queue is empty (one step's worth),
