@@ -16,6 +16,7 @@ import trtllm_dflash.runtime.reference as reference
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.runtime.accept import rejection_accept
+from trtllm_dflash.runtime.draft_length import AdaptiveDraftLength
 from trtllm_dflash.runtime.proposers import DFlashProposer, SuffixDFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams, probabilities
@@ -99,6 +100,21 @@ def test_hybrid_samples_follow_target_distribution(pair):
     assert histogram[0] > 0 and sum(histogram[1:]) > 0, "both acceptance and rejection must be exercised"
     p_value = chi_square_p_value(counts, exact_joint(hf, params(0)))
     assert p_value > ALPHA, f"dflash-sa samples deviate from the target distribution (p = {p_value:.2e})"
+
+
+def test_adaptive_draft_length_with_a_bf16_head_samples_follow_target_distribution(pair):
+    """dflash-sa at T=0.7 with a K chosen per step from past acceptance and the draft distribution q
+    from a bf16 LM head: still the target's distribution."""
+    hf, target, drafter = pair
+    def params(seed):
+        return SamplingParams(max_tokens=3, temperature=0.7, seed=seed)
+    costs = [1.0, 1.1, 1.2, 1.3]
+    policy = AdaptiveDraftLength({"neural": costs, "suffix": costs})
+    hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target, head_dtype=torch.bfloat16), threshold=1, policy=policy)
+    counts, histogram, _ = speculative_counts(target, drafter, params, hybrid)
+    assert histogram[0] > 0 and sum(histogram[1:]) > 0, "both acceptance and rejection must be exercised"
+    p_value = chi_square_p_value(counts, exact_joint(hf, params(0)))
+    assert p_value > ALPHA, f"adaptive-K samples deviate from the target distribution (p = {p_value:.2e})"
 
 
 def test_the_test_rejects_a_lossy_rule(pair, monkeypatch):

@@ -64,9 +64,10 @@ class DFlashProposer:
                  policy: AdaptiveDraftLength | None = None, head_dtype: torch.dtype | None = None):
         cfg = drafter.config
         self.drafter, self.target, self.policy = drafter, target, policy
-        head = target.hf.lm_head
-        self.head = None if head_dtype is None else (
-            head.weight.detach().to(head_dtype), None if head.bias is None else head.bias.detach().to(head_dtype))
+        self.head = None  # (weight, bias) of the draft LM head copy
+        if head_dtype is not None:
+            head = target.hf.lm_head
+            self.head = (head.weight.detach().to(head_dtype), None if head.bias is None else head.bias.detach().to(head_dtype))
         self.block_size = block_size or cfg.block_size
         self.num_drafts = self.block_size - 1
         self.feature_layers = list(cfg.target_layer_ids)
