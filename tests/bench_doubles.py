@@ -2,7 +2,10 @@
 protocols dflash-bench's clients read, so the clients are tested without a model.
 
 - OpenAICompletionsDouble: GET /v1/models, POST /v1/completions with "stream": true, answering
-  `data: {...}` events (one token per chunk), a usage chunk, then `data: [DONE]`.
+  `data: {...}` events (one token per chunk), a usage chunk, then `data: [DONE]`. With
+  `trtllm_perf_metrics=True` it also speaks trtllm-serve's per-request metrics (with
+  `return_perf_metrics` on): stream ids `cmpl-<request id>`, `avg_decoded_tokens_per_iter` in each
+  choice, and GET /perf_metrics draining the finished requests' `speculative_decoding` counts.
 - KServeGenerateStreamDouble: GET /v2/health/ready, GET /v2/models/<name>, POST
   /v2/repository/index, POST /v2/models/<name>/generate_stream answering one SSE event per group
   of `output_ids` and a final event with our model's acceptance statistics.
@@ -23,11 +26,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class StreamingDouble:
     def __init__(self, model: str = "dflash", delay_s: float = 0.002, tokens_per_chunk: int = 1,
                  fail_after: int | None = None, acceptance_length: float = 2.5,
-                 extra_models: dict[str, float] | None = None):
+                 extra_models: dict[str, float] | None = None, trtllm_perf_metrics: bool = False):
         self.model, self.delay_s, self.tokens_per_chunk = model, delay_s, tokens_per_chunk
         self.delays = {model: delay_s, **(extra_models or {})}  # model name -> seconds per chunk (OpenAI double)
         self.fail_after, self.acceptance_length = fail_after, acceptance_length
         self.requests: list[dict] = []
+        self.trtllm_perf_metrics, self.finished_metrics = trtllm_perf_metrics, []  # drained by GET /perf_metrics
         self.lock = threading.Lock()
         double = self
 
@@ -56,10 +60,11 @@ class StreamingDouble:
         self.server.shutdown()
         self.server.server_close()
 
-    def admit(self, body: dict) -> bool:
+    def admit(self, body: dict) -> int | None:
+        """The request's id (1, 2, ...), or None when the double refuses it."""
         with self.lock:
             self.requests.append(body)
-            return self.fail_after is None or len(self.requests) <= self.fail_after
+            return len(self.requests) if self.fail_after is None or len(self.requests) <= self.fail_after else None
 
     @staticmethod
     def reply_json(handler, status: int, payload) -> None:
@@ -98,20 +103,32 @@ class OpenAICompletionsDouble(StreamingDouble):
         if method == "POST" and handler.path == "/v1/completions":
             if body.get("model") not in self.delays:
                 return self.reply_json(handler, 404, {"error": {"message": f"model {body.get('model')} not found"}})
-            if not self.admit(body):
+            request_id = self.admit(body)
+            if request_id is None:
                 return self.reply_json(handler, 500, {"error": {"message": "double: failing on purpose"}})
-            return self.stream(handler, self.events(body))
+            return self.stream(handler, self.events(body, request_id))
+        if method == "GET" and handler.path == "/perf_metrics" and self.trtllm_perf_metrics:
+            with self.lock:
+                drained, self.finished_metrics = self.finished_metrics, []
+            return self.reply_json(handler, 200, drained)
         return self.reply_json(handler, 404, {"detail": "Not Found"})
 
-    def events(self, body):
-        total = 0
+    def events(self, body, request_id: int):
+        total, stream_id = 0, f"cmpl-{request_id}" if self.trtllm_perf_metrics else "cmpl-double"
+        extra = {"avg_decoded_tokens_per_iter": self.acceptance_length} if self.trtllm_perf_metrics else {}
         for ids in self.chunks(body["max_tokens"], self.delays[body["model"]]):
             total += len(ids)
-            yield json.dumps({"id": "cmpl-double", "object": "text_completion", "model": body["model"],
-                              "choices": [{"index": 0, "text": "x" * len(ids), "finish_reason": None}]})
+            yield json.dumps({"id": stream_id, "object": "text_completion", "model": body["model"],
+                              "choices": [{"index": 0, "text": "x" * len(ids), "finish_reason": None, **extra}]})
         if body.get("stream_options", {}).get("include_usage"):
-            yield json.dumps({"id": "cmpl-double", "object": "text_completion", "choices": [],
+            yield json.dumps({"id": stream_id, "object": "text_completion", "choices": [],
                               "usage": {"prompt_tokens": 5, "completion_tokens": total, "total_tokens": total + 5}})
+        if self.trtllm_perf_metrics:  # recorded before [DONE], as trtllm-serve's _extract_metrics is
+            with self.lock:
+                self.finished_metrics.append({"request_id": request_id, "perf_metrics": {
+                    "first_iter": 0, "last_iter": total, "timing_metrics": {},
+                    "speculative_decoding": {"acceptance_rate": 0.2, "total_accepted_draft_tokens": 6,
+                                             "total_draft_tokens": 28}}})
         yield "[DONE]"
 
 
@@ -128,7 +145,7 @@ class KServeGenerateStreamDouble(StreamingDouble):
         if method == "POST" and path == "/v2/repository/index":
             return self.reply_json(handler, 200, [{"name": self.model, "version": "1", "state": "READY"}])
         if method == "POST" and path == f"/v2/models/{self.model}/generate_stream":
-            if not self.admit(body):
+            if self.admit(body) is None:
                 return self.reply_json(handler, 500, {"error": "double: failing on purpose"})
             return self.stream(handler, self.events(body))
         if method == "POST" and path.endswith("/generate_stream"):

@@ -24,6 +24,10 @@ def bench(url, tmp_path, *args, protocol="openai"):
                                      "4", "--repeats", "2", "--no-plot", "--output-dir", str(tmp_path / "out"), *args])
 
 
+def table_rows(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.strip().startswith("dflash K=")]
+
+
 def test_client_streams_one_request_and_reads_the_usage_count():
     with OpenAICompletionsDouble(delay_s=0.01) as double:
         endpoint = OpenAIEndpoint(double.url, "dflash", max_tokens=5)
@@ -31,7 +35,7 @@ def test_client_streams_one_request_and_reads_the_usage_count():
         record = endpoint.send([5, 6, 7])
     assert record.ok and record.output_tokens == 5 and len(record.chunks) == 5
     assert record.ttft >= 0.01 and record.tpot == pytest.approx(0.01, abs=0.008)
-    assert record.tau is None  # the double, like most servers, returns no DFlash statistics
+    assert record.tau is None and record.accepted_drafts is None  # like most servers: no DFlash statistics
     sent = double.requests[0]
     assert sent["stream"] is True and sent["prompt"] == [5, 6, 7] and sent["max_tokens"] == 5
     assert sent["ignore_eos"] is True and sent["stream_options"] == {"include_usage": True}
@@ -52,9 +56,27 @@ def test_sweep_against_the_double_reports_serving_metrics_and_not_reported_tau(t
     for p in points:
         assert p.requests == 4 and p.failed == 0 and p.tau is None and p.step_s is None
         assert p.latency["ttft_s"]["p50"] > 0 and p.latency["tpot_s"]["p50"] > 0
-    assert "n/r" in result.output and "not fitted" in result.output
+    assert [row.split()[-1] for row in table_rows(result.output)] == ["n/r", "n/r"]  # tau: not reported
+    assert "not fitted" in result.output
     assert len(double.requests) == 1 + 2 * 2 * 4  # warm-up, then 2 levels x 2 repeats x 4 requests
     assert "AR (draft length 0)" in document["schedule"]["reason"]
+
+
+def test_client_reads_trtllm_serve_per_request_metrics():
+    with OpenAICompletionsDouble(delay_s=0.001, trtllm_perf_metrics=True, acceptance_length=2.5) as double:
+        endpoint = OpenAIEndpoint(double.url, "dflash", max_tokens=5)
+        first, second = endpoint.send([5, 6, 7]), endpoint.send([8])
+    for record in first, second:  # each matched to its own entry of /perf_metrics by its stream id
+        assert record.ok and (record.accepted_drafts, record.drafted, record.tau) == (6, 28, 2.5)
+
+
+def test_sweep_against_trtllm_serve_metrics_reports_tau(tmp_path):
+    with OpenAICompletionsDouble(delay_s=0.002, trtllm_perf_metrics=True, acceptance_length=2.5) as double:
+        result = bench(double.url, tmp_path, "--concurrency", "1,2", "--model", "dflash=3")
+    assert result.exit_code == 0, result.output
+    document = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert [BenchPoint.from_dict(p).tau for p in document["points"]] == [2.5, 2.5]
+    assert [row.split()[-1] for row in table_rows(result.output)] == ["2.50", "2.50"]  # the tau column
 
 
 def test_a_schedule_measured_on_a_server_is_what_dflash_build_reads(tmp_path):

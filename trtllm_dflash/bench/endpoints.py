@@ -10,8 +10,8 @@ OpenAI-compatible completions endpoint, each turning one request into a `Request
 - openai: POST /v1/completions with "stream": true (trtllm-serve, vLLM, SGLang): `data: {...}`
   events, `data: [DONE]` last; the token count comes from the usage chunk
   (`stream_options.include_usage`) where the server sends one, else one token per chunk. DFlash
-  statistics are read where a chunk carries the fields our Triton model returns; otherwise they
-  are "not reported".
+  statistics are read where a chunk carries the fields our Triton model returns, or from
+  trtllm-serve's per-request metrics (see `TrtllmPerfMetrics`); otherwise they are "not reported".
 Only the standard library's http.client: nothing to install, and every read has a timeout.
 """
 
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit
@@ -192,9 +194,59 @@ class TritonEndpoint(HttpEndpoint):
         return record
 
 
+class TrtllmPerfMetrics:
+    """trtllm-serve's per-request metrics, kept only with `return_perf_metrics: true` and
+    `perf_metrics_max_requests` > 0 in its LLM API options (else GET /perf_metrics answers `[]`)
+    (NVIDIA/TensorRT-LLM tensorrt_llm/serve/openai_server.py, get_perf_metrics and
+    _extract_metrics; schema in tensorrt_llm/serve/_perf_metrics_schema.py @ 4856bb73):
+    GET /perf_metrics answers `[{"request_id": N, "perf_metrics": {..., "speculative_decoding":
+    {"acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"}}}]` for the requests
+    finished since the last GET (each GET drains the list), recorded before the stream's
+    `[DONE]`. A request is matched by its stream id, `cmpl-<request_id>` (postprocess_handlers.py,
+    _ensure_stream_metadata; older servers send a random id, which cannot be matched). One GET
+    serves every request finished so far, so concurrent users share what it drained."""
+
+    STREAM_ID = re.compile(r"cmpl-(\d+)")
+
+    def __init__(self, endpoint: HttpEndpoint):
+        self.endpoint, self.lock = endpoint, threading.Lock()
+        self.drained: dict[int, dict] = {}
+        self.available = True  # until the server shows it keeps none (404, or an empty list)
+
+    def read(self, stream_id: object, record: RequestRecord) -> None:
+        match = self.STREAM_ID.fullmatch(stream_id) if isinstance(stream_id, str) else None
+        if match is None or not self.available:
+            return
+        request_id = int(match.group(1))
+        with self.lock:
+            if request_id not in self.drained:
+                self.drain()
+            entry = self.drained.pop(request_id, {})
+        spec = entry.get("speculative_decoding")  # absent when the request drafted nothing
+        if isinstance(spec, dict):
+            read_stats(spec, record)
+
+    def drain(self) -> None:
+        try:
+            status, entries = self.endpoint.get("/perf_metrics")
+        except EndpointError:
+            return  # the request itself succeeded; its statistics stay "not reported"
+        if status != 200 or not isinstance(entries, list) or not entries:
+            self.available = False
+            return
+        for entry in entries:
+            if isinstance(entry, dict) and isinstance(entry.get("request_id"), int):
+                metrics = entry.get("perf_metrics")
+                self.drained[entry["request_id"]] = metrics if isinstance(metrics, dict) else {}
+
+
 class OpenAIEndpoint(HttpEndpoint):
     protocol = "openai"
     health_path = "/v1/models"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.perf_metrics = TrtllmPerfMetrics(self)
 
     def check(self) -> None:
         status, listing = self.get(self.health_path)
@@ -212,14 +264,22 @@ class OpenAIEndpoint(HttpEndpoint):
         # ignore_eos: fixed-length outputs (a vLLM / SGLang / trtllm-serve extension; others ignore it).
         body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0.0,
                 "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+        stream_id = None
         for event in self.stream("/v1/completions", body, record):
+            stream_id = event.get("id", stream_id)
             choices = event.get("choices") or []
-            if choices and isinstance(choices[0], dict) and choices[0].get("text"):
+            choice = choices[0] if choices and isinstance(choices[0], dict) else {}
+            if choice.get("text"):
                 record.add_chunk(time.perf_counter(), 1)
+            # trtllm-serve's per-choice acceptance length (postprocess_handlers.py @ 7b437aaa).
+            if isinstance(choice.get("avg_decoded_tokens_per_iter"), (int, float)):
+                record.tau = float(choice["avg_decoded_tokens_per_iter"])
             usage = event.get("usage")
             if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
                 record.reported_output_tokens = usage["completion_tokens"]
             read_stats(event, record)
+        if record.ok and record.accepted_drafts is None:
+            self.perf_metrics.read(stream_id, record)
         return record
 
 
