@@ -30,6 +30,7 @@ import yaml
 
 from trtllm_dflash.errors import InputError, MissingDependencyError
 from trtllm_dflash.runtime import trtllm as rt
+from trtllm_dflash.runtime import trtllm_stats
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.runtime.stats import GenerationResult, RequestStats, total_stats
 
@@ -257,7 +258,7 @@ def perf_metrics(accepted=0, drafted=0, times=None):
 
 def test_stats_from_draft_totals():
     # K = 3 drafts per step, 5 steps -> 15 drafted, 9 accepted; 1 + 9 + 5 = 15 output tokens.
-    stats = rt.request_stats_from_metrics(perf_metrics(9, 15, (10.0, 10.5, 11.0, 13.0)), 15, block_size=4)
+    stats = trtllm_stats.request_stats_from_metrics(perf_metrics(9, 15, (10.0, 10.5, 11.0, 13.0)), 15, block_size=4)
     assert stats.source == "draft_tokens"
     assert stats.steps == 5 and stats.total_accepted_drafts == 9
     assert stats.acceptance_length == pytest.approx(14 / 5)
@@ -271,44 +272,44 @@ def test_stats_from_draft_totals():
 
 def test_stats_from_output_tokens_when_drafts_vary():
     # 14 drafted is not a multiple of K = 3 (a draft_len_schedule cut back): steps from tokens.
-    stats = rt.request_stats_from_metrics(perf_metrics(9, 14), 15, block_size=4, wall_times=(0.1, 0.9))
+    stats = trtllm_stats.request_stats_from_metrics(perf_metrics(9, 14), 15, block_size=4, wall_times=(0.1, 0.9))
     assert stats.source == "output_tokens" and stats.steps == 15 - 1 - 9
     assert (stats.prefill_time, stats.decode_time) == (0.1, 0.9)  # timing metrics unset -> wall clock
 
 
 def test_stats_dict_shaped_metrics_and_decoding_iter_fallback():
     zeroed = {"speculative_decoding": {"total_accepted_draft_tokens": 0, "total_draft_tokens": 0}}
-    stats = rt.request_stats_from_metrics(zeroed, 21, block_size=10, decoding_iter=6)
+    stats = trtllm_stats.request_stats_from_metrics(zeroed, 21, block_size=10, decoding_iter=6)
     assert stats.source == "decoding_iter" and stats.steps == 5 and stats.total_accepted_drafts == 15
     assert stats.acceptance_length == pytest.approx(4.0)
 
 
 def test_stats_without_anything_reports_no_steps():
-    stats = rt.request_stats_from_metrics(None, 12, block_size=10)
+    stats = trtllm_stats.request_stats_from_metrics(None, 12, block_size=10)
     assert stats.source == "none" and stats.steps == 0 and stats.acceptance_length == 0.0
     assert stats.num_output_tokens == 12
 
 
 def test_totals_aggregate():
-    a = rt.request_stats_from_metrics(perf_metrics(9, 15, (100, 100, 101, 103)), 15, block_size=4)
-    b = rt.request_stats_from_metrics(perf_metrics(3, 6, (100, 100, 102, 103)), 6, block_size=4)
+    a = trtllm_stats.request_stats_from_metrics(perf_metrics(9, 15, (100, 100, 101, 103)), 15, block_size=4)
+    b = trtllm_stats.request_stats_from_metrics(perf_metrics(3, 6, (100, 100, 102, 103)), 6, block_size=4)
     results = [GenerationResult([1], [0] * 15, "length", a), GenerationResult([1], [0] * 6, "length", b)]
     total = total_stats(results, batch_size=2)
     assert total.steps == 7 and total.total_accepted_drafts == 12 and total.num_output_tokens == 21
     assert total.acceptance_length == pytest.approx(19 / 7)
     assert total.prefill_time == pytest.approx(2.0) and total.decode_time == pytest.approx(2.0)
-    mixed = rt.TotalsRequestStats(block_size=4)
+    mixed = trtllm_stats.TotalsRequestStats(block_size=4)
     reference = RequestStats(4, accepted_histogram=[1, 0, 2, 0])
     mixed.add_counts(reference)
     assert mixed.steps == 3 and mixed.total_accepted_drafts == 4
 
 
 def test_finish_reason_of():
-    assert rt.finish_reason_of("stop", 3, 10) == "stop"
-    assert rt.finish_reason_of("length", 10, 10) == "length"
-    assert rt.finish_reason_of(None, 10, 10) == "length"
+    assert trtllm_stats.finish_reason_of("stop", 3, 10) == "stop"
+    assert trtllm_stats.finish_reason_of("length", 10, 10) == "length"
+    assert trtllm_stats.finish_reason_of(None, 10, 10) == "length"
     with pytest.raises(RuntimeError, match="timeout"):
-        rt.finish_reason_of("timeout", 3, 10)
+        trtllm_stats.finish_reason_of("timeout", 3, 10)
 
 
 # ----------------------------------------------------------------------------- runtime on a fake tensorrt_llm
