@@ -378,13 +378,13 @@ def test_bad_prompt_ids_devices_and_lengths_are_refused_before_loading(tiny_pair
 def test_sa_threshold_lives_in_the_manifest_not_the_trtllm_options(tiny_pair, tmp_path):
     from trtllm_dflash.cli.build import main as build_main
     from trtllm_dflash.engine.manifest import open_engine
-    from trtllm_dflash.runtime.trtllm import ignored_engine_settings
+    from trtllm_dflash.runtime.trtllm import engine_manifest, ignored_engine_settings
 
     target, drafter = tiny_pair
     engine = build_engine(tiny_pair, tmp_path / "engine", "--sa-threshold", 3)
     assert open_engine(engine).sa_threshold == 3
     assert "sa_threshold" not in (engine / "llm_api_options.yaml").read_text()  # TensorRT-LLM forbids unknown keys
-    (note,) = ignored_engine_settings(engine)
+    (note,) = ignored_engine_settings(engine_manifest(engine))
     assert "sa_threshold (3)" in note and "ignores it" in note
     for args, threshold in (([], 3), (["--sa-threshold", 5], 5)):
         result = invoke(engine, "--prompt", "abc", "--max-tokens", 6, "--json", *args)

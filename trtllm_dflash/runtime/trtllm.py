@@ -72,17 +72,22 @@ def check_version(version: str, requirements: Mapping | None = None) -> list[str
     return []
 
 
-def read_requirements(engine_dir: Path) -> dict:
-    """The engine's TensorRT-LLM requirements (engine/trtllm_versions.py), refusing an engine that
-    only the reference runtime can run, before TensorRT-LLM is even imported."""
+def engine_manifest(engine_dir: str | Path) -> dict:
+    """The engine's manifest.json as a dict ({} without one), read once for every check below."""
     import json
 
-    path = engine_dir / "manifest.json"
+    path = Path(engine_dir) / "manifest.json"
     try:
         manifest = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
         raise InputError("not valid JSON; rebuild the engine with dflash-build.", path=path) from None
-    requirements = engine_requirements(manifest if isinstance(manifest, dict) else {})
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def read_requirements(manifest: Mapping, path: Path) -> dict:
+    """The engine's TensorRT-LLM requirements (engine/trtllm_versions.py), refusing an engine that
+    only the reference runtime can run, before TensorRT-LLM is even imported."""
+    requirements = engine_requirements(manifest)
     if requirements.get("reference_only"):
         raise InputError(f"this engine runs on the reference runtime only: {requirements['reference_only']} "
                          "Run it with --backend reference, or rebuild with --drafter-quant keep.", path=path,
@@ -106,16 +111,11 @@ def check_probes(features: Sequence[str]) -> None:
                                          "newer one or rebuild with --quant keep or mxfp4.") from None
 
 
-def ignored_engine_settings(engine_dir: str | Path) -> list[str]:
+def ignored_engine_settings(manifest: Mapping) -> list[str]:
     """Notes for the reference-runtime settings an engine's manifest carries ("runtime" section):
     TensorRT-LLM's DFlash has no suffix-automaton drafting, so `sa_threshold` is ignored here."""
-    from ..checkpoints.hf import read_json
-    from ..engine.manifest import MANIFEST
-
-    path = Path(engine_dir) / MANIFEST
-    if not path.is_file():
-        return []
-    threshold = read_json(path).get("runtime", {}).get("sa_threshold")
+    runtime = manifest.get("runtime")
+    threshold = runtime.get("sa_threshold") if isinstance(runtime, dict) else None
     if threshold is None:
         return []
     return [f"the engine's sa_threshold ({threshold}) is a setting of the reference runtime's dflash-sa drafting; "
@@ -381,10 +381,11 @@ class TrtllmRuntime:
 
     def __init__(self, engine_dir: str | Path, **overrides):
         self.engine_dir = Path(engine_dir)
-        requirements = read_requirements(self.engine_dir)
+        manifest = engine_manifest(self.engine_dir)
+        requirements = read_requirements(manifest, self.engine_dir / "manifest.json")
         trtllm = import_tensorrt_llm()
         self.version = str(getattr(trtllm, "__version__", "0"))
-        self.warnings = check_version(self.version, requirements) + ignored_engine_settings(self.engine_dir)
+        self.warnings = check_version(self.version, requirements) + ignored_engine_settings(manifest)
         check_probes(requirements.get("features") or [])
         spec_cls = dflash_config_class(trtllm)
         options = read_options(self.engine_dir)
