@@ -13,7 +13,13 @@ are the time of `target(...)` plus acceptance per loop iteration, a drafter step
 FLOP floors: 2 x the multiply-adds a step needs at the run's mean context (the drafter's context
 projection at the run's mean tokens committed per step), at the GEMM rate this core sustains on a
 [64, H] x [H, V] product, measured here first. They are the time a step would take if it were pure
-arithmetic at that rate; on a small model the gap to them is per-op overhead and weight traffic.
+arithmetic at that rate.
+
+Byte floors: the bytes a step must read (every weight it multiplies -- for the target's MoE only the
+experts its tokens route to, counted in the run by a hook on each router -- the LM head, and the
+K/V its attention reads at the mean context) at the rate this core streams a 64 MB fp32 tensor,
+measured here first. They are the time a step would take if it only had to read its operands once
+from memory. Above both floors, the rest is per-op and Python overhead.
 """
 
 from __future__ import annotations
@@ -43,6 +49,64 @@ def gemm_rate(hidden: int, vocab: int, calls: int = 50) -> float:
         a @ b
         best = min(best, time.perf_counter() - start)
     return 2 * 64 * hidden * vocab / best
+
+
+def stream_rate(megabytes: int = 64, calls: int = 5) -> float:
+    """Bytes/s this core reads from memory: summing a tensor well past the last-level cache, best of `calls`."""
+    data = torch.ones(megabytes * 2**20 // 4)
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best
+
+
+def nbytes(*modules: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+
+
+class ExpertsTouched:
+    """Forward hooks on every router: per call with n routed tokens, how many distinct experts they
+    reach; `mean(n, layers)` is the mean over such calls times `layers`. Counts only while `on`
+    (our loop's steps, not `generate`'s)."""
+
+    def __init__(self, target: GptOssTarget):
+        self.counts: dict[int, list[int]] = {}
+        self.on = False
+        for layer in target.hf.model.layers:
+            layer.mlp.router.register_forward_hook(self.record)
+
+    def record(self, module, inputs, output) -> None:
+        if not self.on:
+            return
+        indices = output[-1]
+        self.counts.setdefault(indices.shape[0], []).append(int(indices.unique().numel()))
+
+    def mean(self, tokens: int, layers: int) -> float:
+        calls = self.counts.get(tokens, [])
+        return layers * sum(calls) / len(calls) if calls else float("nan")
+
+
+def target_bytes(target: GptOssTarget, experts_touched: float, batch: int, context: float) -> float:
+    """Bytes a target step reads: attention, router and norm weights of every layer, `experts_touched`
+    experts in all (summed over layers), the LM head, and the K/V of `batch` rows at `context`."""
+    cfg, layers = target.config, target.hf.model.layers
+    experts = layers[0].mlp.experts
+    per_expert = nbytes(experts) / cfg.num_local_experts
+    dense = sum(nbytes(layer.self_attn, layer.mlp.router, layer.input_layernorm, layer.post_attention_layernorm)
+                for layer in layers)
+    kv = sum(batch * 2 * cfg.num_key_value_heads * cfg.head_dim * 4 *
+             (min(context, cfg.sliding_window) if kind == "sliding_attention" else context) for kind in cfg.layer_types)
+    return dense + experts_touched * per_expert + nbytes(target.hf.lm_head, target.hf.model.norm) + kv
+
+
+def drafter_bytes(drafter, target: GptOssTarget, batch: int, context: float) -> float:
+    """Bytes a drafter step reads: all its weights, the target's LM head, its context K/V at `context`."""
+    cfg = drafter.config
+    window = min(context, cfg.sliding_window or context)
+    kv = batch * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4 * window
+    return nbytes(drafter) + nbytes(target.hf.lm_head) + kv
 
 
 def target_flops(cfg, tokens: int, context: float) -> float:
@@ -133,35 +197,46 @@ def main() -> None:
     for runtime in (ar, dflash):
         runtime.warm_up(prompts[0])
     run_generate(target.hf, prompts[:1], 3, 1, pad_id)
-    rate = gemm_rate(target.hidden_size, target.vocab_size)
+    rate, bandwidth = gemm_rate(target.hidden_size, target.vocab_size), stream_rate()
     context = statistics.mean(len(p) for p in prompts) + args.max_tokens / 2
+    touched = ExpertsTouched(target)
 
     print(f"threads={args.threads} prompts={len(prompts)} max_tokens={args.max_tokens} repeats={args.repeats} "
-          f"block={drafter.config.block_size} gemm_rate={rate / 1e9:.1f} GFLOP/s mean_context={context:.0f}")
+          f"block={drafter.config.block_size} gemm_rate={rate / 1e9:.1f} GFLOP/s stream={bandwidth / 1e9:.1f} GB/s "
+          f"mean_context={context:.0f}")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         runs: dict[str, list[Run]] = {"ar": [], "dflash": [], "generate": []}
         for _ in range(args.repeats):
+            touched.on = True
             for name, runtime in (("ar", ar), ("dflash", dflash)):
                 runs[name].append(run_loop(runtime, prompts, params, batch))
+            touched.on = False
             runs["generate"].append(run_generate(target.hf, prompts, args.max_tokens, batch, pad_id))
         reference = run_loop(ar, prompts, params, 1).outputs if batch > 1 else runs["ar"][0].outputs
         tau = statistics.median(r.tau for r in runs["dflash"])
         ar_step = [r.verify_s / r.steps * 1e3 for r in runs["ar"]]
         verify = [r.verify_s / r.steps * 1e3 for r in runs["dflash"]]
         draft = [r.draft_s / r.steps * 1e3 for r in runs["dflash"]]
+        block, layers = drafter.config.block_size, target.num_layers
         floors = {"ar": target_flops(target.config, batch, context),
-                  "verify": target_flops(target.config, batch * drafter.config.block_size, context),
+                  "verify": target_flops(target.config, batch * block, context),
                   "draft": batch * drafter_flops(drafter.config, target.vocab_size, tau, context)}
+        byte_floors = {"ar": target_bytes(target, touched.mean(batch, layers), batch, context),
+                       "verify": target_bytes(target, touched.mean(batch * block, layers), batch, context),
+                       "draft": drafter_bytes(drafter, target, batch, context)}
         print(f"\nbatch {batch}: DFlash tau {tau:.2f}; lossless vs batch-1 AR: "
               f"DFlash {sum(o == e for o, e in zip(runs['dflash'][-1].outputs, reference))}/{len(prompts)}, "
               f"AR {sum(o == e for o, e in zip(runs['ar'][-1].outputs, reference))}/{len(prompts)}, "
               f"generate {sum(o == e for o, e in zip(runs['generate'][-1].outputs, reference))}/{len(prompts)}")
-        print(f"{'step':<24}{'ms, median (min..max)':>26}{'x AR step':>11}{'FLOP floor ms':>15}")
-        for name, values, floor in (("AR step", ar_step, floors["ar"]),
-                                    (f"verify ({drafter.config.block_size} tokens)", verify, floors["verify"]),
-                                    ("drafter step", draft, floors["draft"])):
+        print(f"experts touched per layer: AR step {touched.mean(batch, 1):.2f}, "
+              f"verify {touched.mean(batch * block, 1):.2f} of {target.config.num_local_experts}")
+        print(f"{'step':<24}{'ms, median (min..max)':>26}{'x AR step':>11}{'FLOP floor ms':>15}"
+              f"{'MB read':>9}{'byte floor ms':>15}")
+        for name, values, key in (("AR step", ar_step, "ar"), (f"verify ({block} tokens)", verify, "verify"),
+                                  ("drafter step", draft, "draft")):
             ratios = [v / a for v, a in zip(values, ar_step)]
-            print(f"{name:<24}{spread(values):>26}{statistics.median(ratios):>10.2f}x{floor / rate * 1e3:>15.3f}")
+            print(f"{name:<24}{spread(values):>26}{statistics.median(ratios):>10.2f}x{floors[key] / rate * 1e3:>15.3f}"
+                  f"{byte_floors[key] / 2**20:>9.1f}{byte_floors[key] / bandwidth * 1e3:>15.3f}")
         rates = {name: [r.tokens / r.seconds for r in rs] for name, rs in runs.items()}
         print(f"{'end to end tok/s':<24}{'median (min..max)':>26}{'x generate':>11}")
         for name in ("ar", "dflash", "generate"):

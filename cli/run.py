@@ -124,11 +124,14 @@ def write_text(path: Path, text: str) -> None:
 
 
 def resolve_draft_method(draft_method: str | None, sa_threshold: int | None, backend: str,
-                         engine) -> tuple[str, int | None]:
+                         engine, draft_length: str = "fixed") -> tuple[str, int | None]:
     """-> (method, suffix-match threshold or None). Default: dflash-sa on the reference runtime (the
     fastest there, docs/benchmarks.md), DFlash on TensorRT-LLM (which has no suffix drafting)."""
     from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD
 
+    if backend == "trtllm" and draft_length == "adaptive":
+        raise InputError("--draft-length adaptive runs on the reference backend only (TensorRT-LLM sizes drafts by "
+                         "the engine's draft_len_schedule).", field="--draft-length")
     if backend == "trtllm":
         if draft_method in ("ngram", "dflash-sa") or sa_threshold is not None:
             raise InputError("--draft-method ngram / dflash-sa and --sa-threshold run on the reference backend only; "
@@ -140,9 +143,31 @@ def resolve_draft_method(draft_method: str | None, sa_threshold: int | None, bac
     return method, sa_threshold or (engine.sa_threshold if engine is not None else None) or DEFAULT_SA_THRESHOLD
 
 
+def check_draft_length(draft_length: str, draft_method: str | None) -> None:
+    if draft_length == "adaptive" and draft_method == "ngram":
+        raise InputError("sizes the drafts of dflash and dflash-sa from the drafter's measured step costs; "
+                         "it means nothing with --draft-method ngram.", field="--draft-length")
+
+
+def adaptive_policy(target, drafter, block_size: int | None, batch_size: int):
+    """The adaptive draft-length policy, from step costs measured here at this batch size."""
+    import time
+
+    from trtllm_dflash.runtime.draft_length import AdaptiveDraftLength, measure_step_costs
+    from trtllm_dflash.runtime.proposers import DFlashProposer
+
+    most = (block_size or drafter.config.block_size) - 1
+    start = time.perf_counter()
+    costs = measure_step_costs(target, lambda: DFlashProposer(drafter, target, block_size), batch_size, most)
+    click.echo(f"adaptive draft length: step costs at batch {batch_size} measured in "
+               f"{time.perf_counter() - start:.1f} s (ms, K = 0..{most}): " + "; ".join(
+                   f"{source} " + " ".join(f"{c * 1e3:.2f}" for c in row) for source, row in costs.items()), err=True)
+    return AdaptiveDraftLength(costs)
+
+
 def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, drafter_dir: Path, draft_method: str,
                   sa_threshold: int | None, block_size: int | None, schedule: dict[int, int] | None, device: str,
-                  dtype: str, with_baseline: bool):
+                  dtype: str, with_baseline: bool, draft_length: str = "fixed", batch_size: int = 1):
     """The runtime(s) for this run: [main] or [main, autoregressive baseline]."""
     if backend == "trtllm":
         if engine_root is None:
@@ -171,9 +196,12 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
         width = block_size or DFlashConfig.from_json(drafter_dir / "config.json").block_size
         proposer = NGramProposer(num_drafts=width - 1)
     else:
-        proposer = DFlashProposer(load_drafter(drafter_dir, torch_device, torch_dtype), target, block_size)
+        drafter = load_drafter(drafter_dir, torch_device, torch_dtype)
+        policy = adaptive_policy(target, drafter, block_size, batch_size) if draft_length == "adaptive" else None
         if draft_method == "dflash-sa":
-            proposer = SuffixDFlashProposer(proposer, sa_threshold)
+            proposer = SuffixDFlashProposer(DFlashProposer(drafter, target, block_size), sa_threshold, policy=policy)
+        else:
+            proposer = DFlashProposer(drafter, target, block_size, policy=policy)
     runtimes = [ReferenceRuntime(target, proposer, draft_len_schedule=schedule)]
     if with_baseline:
         runtimes.append(ReferenceRuntime(target, None))
@@ -240,6 +268,10 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
 @click.option("--sa-threshold", type=click.IntRange(min=1),
               help="dflash-sa: take suffix drafts when the longest earlier-occurring suffix has at least this many "
                    "tokens [default: the engine's, else 2].")
+@click.option("--draft-length", type=click.Choice(["fixed", "adaptive"]), default="fixed", show_default=True,
+              help="adaptive: per step, the number of drafts that maximises expected tokens per second of step, from "
+                   "step costs measured at start-up (a few seconds) and the acceptance seen so far (dflash, dflash-sa; "
+                   "reference backend). It pays where a step's cost grows with its drafts (batch 4 and up on CPU).")
 @click.option("--backend", type=click.Choice(["auto", "trtllm", "reference"]), default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (reference backend).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
@@ -256,8 +288,8 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
 @click.option("--verify", is_flag=True, help="Check every file of ENGINE_DIR against its sha256 first.")
 @clean_errors
 def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, max_tokens, temperature, top_p,
-         top_k, seed, batch_size, block_size, draft_method, sa_threshold, backend, device, dtype, baseline, repeats,
-         threads, as_json, output, stats_file, no_stream, verify):
+         top_k, seed, batch_size, block_size, draft_method, sa_threshold, draft_length, backend, device, dtype, baseline,
+         repeats, threads, as_json, output, stats_file, no_stream, verify):
     """Run the DFlash draft-verify loop on ENGINE_DIR (or --target/--drafter, or the embedded default)."""
     from trtllm_dflash.checkpoints.gpt_oss import stop_token_ids
     from trtllm_dflash.checkpoints.validate import validate_pair
@@ -270,6 +302,7 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     if sa_threshold is not None and draft_method not in (None, "dflash-sa"):
         raise InputError(f"sets the suffix-match length of --draft-method dflash-sa; it means nothing with "
                          f"--draft-method {draft_method}.", field="--sa-threshold")
+    check_draft_length(draft_length, draft_method)
     if repeats is not None and not baseline:
         raise InputError("repeats the comparison with autoregressive decoding; add --baseline.", field="--repeats")
     repeats = repeats or (3 if baseline else 1)
@@ -308,9 +341,9 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     else:
         chosen, reason = choose_backend(backend)
     click.echo(f"backend: {chosen} ({reason})", err=True)
-    method, sa_threshold = resolve_draft_method(draft_method, sa_threshold, chosen, engine)
+    method, sa_threshold = resolve_draft_method(draft_method, sa_threshold, chosen, engine, draft_length)
     runtimes = build_runtime(chosen, engine.root if engine else None, target_dir, drafter_dir, method, sa_threshold,
-                             block_size, schedule, device, dtype, baseline)
+                             block_size, schedule, device, dtype, baseline, draft_length, batch_size)
     for runtime in runtimes:
         if hasattr(runtime, "warm_up"):
             runtime.warm_up(prompt_ids[0])
@@ -328,7 +361,7 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
                            None if base_runs is None else [run[i] for run in base_runs])
                for i, p in enumerate(prompts[: len(results)])]
     summary = summary_record(results, spec_runs, base_runs, batch_size, method=method, sa_threshold=sa_threshold,
-                             backend=chosen, threads=torch.get_num_threads(), repeats=repeats)
+                             draft_length=draft_length, backend=chosen, threads=torch.get_num_threads(), repeats=repeats)
     if as_json:
         for record in [*records, summary]:
             click.echo(json.dumps(record))

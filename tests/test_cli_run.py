@@ -66,7 +66,9 @@ def test_a_request_without_verify_steps_has_no_tau(tiny_pair):
 @pytest.mark.parametrize("args,title", [([], "DFlash + suffix automaton (threshold 2) on the reference backend"),
                                         (["--sa-threshold", 4], "DFlash + suffix automaton (threshold 4)"),
                                         (["--draft-method", "dflash"], "DFlash on the reference backend"),
-                                        (["--draft-method", "ngram"], "n-gram prompt lookup on the reference")])
+                                        (["--draft-method", "ngram"], "n-gram prompt lookup on the reference"),
+                                        (["--draft-length", "adaptive"],
+                                         "DFlash + suffix automaton (threshold 2), adaptive draft length")])
 def test_the_title_names_the_method_that_ran(tiny_pair, args, title):
     target, drafter = tiny_pair
     result = invoke("--target", target, "--drafter", drafter, "--prompt", "abcabc", "--max-tokens", 6, "--no-stream",
@@ -98,6 +100,8 @@ def test_spread_wider_than_the_effect_is_a_warning():
                                          (["--repeats", 0, "--baseline"], "--repeats"),
                                          (["--threads", 0], "--threads"),
                                          (["--sa-threshold", 3, "--draft-method", "dflash"], "--sa-threshold"),
+                                         (["--draft-length", "adaptive", "--draft-method", "ngram"], "--draft-length"),
+                                         (["--draft-length", "sometimes"], "--draft-length"),
                                          (["--sa-threshold", 3, "--draft-method", "ngram"], "--sa-threshold"),
                                          (["--repeats", 3], "--repeats")])
 def test_bad_speed_and_hybrid_options(tiny_pair, args, option):
@@ -105,6 +109,29 @@ def test_bad_speed_and_hybrid_options(tiny_pair, args, option):
     result = invoke("--target", target, "--drafter", drafter, "--prompt", "x", "--no-stream", *args)
     assert result.exit_code == 2 and option in result.output and "Traceback" not in result.output, result.output
     assert "tok/s" not in result.output  # nothing ran
+
+
+@pytest.mark.parametrize("method", ["dflash", "dflash-sa"])
+def test_adaptive_draft_length_is_lossless_and_reported(tiny_pair, method):
+    target, drafter = tiny_pair
+    result = invoke("--target", target, "--drafter", drafter, "--prompt", "abcabcabc", "--prompt", "xyz",
+                    "--max-tokens", 16, "--batch-size", 2, "--baseline", "--repeats", 1, "--json",
+                    "--draft-method", method, "--draft-length", "adaptive")
+    assert result.exit_code == 0, result.output
+    records, summary = json_lines(result)
+    assert all(record["matches_baseline"] for record in records)
+    assert summary["draft_length"] == "adaptive" and summary["method"] == method
+    assert "adaptive draft length: step costs at batch 2" in result.stderr
+
+
+def test_adaptive_draft_length_is_refused_on_tensorrt_llm():
+    from trtllm_dflash.cli.run import resolve_draft_method
+    from trtllm_dflash.errors import InputError
+
+    with pytest.raises(InputError, match="reference backend only") as raised:
+        resolve_draft_method(None, None, "trtllm", None, "adaptive")
+    assert raised.value.field == "--draft-length"
+    assert resolve_draft_method(None, None, "trtllm", None, "fixed") == ("dflash", None)
 
 
 def test_text_prompts_file_and_human_report(tiny_pair, tmp_path):

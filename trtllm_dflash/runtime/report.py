@@ -27,7 +27,9 @@ def acceptance_bars(per_position: list[float]) -> str:
 
 def method_title(summary: dict) -> str:
     title = METHOD_TITLES[summary["method"]]
-    return f"{title} (threshold {summary['sa_threshold']})" if summary.get("sa_threshold") else title
+    if summary.get("sa_threshold"):
+        title += f" (threshold {summary['sa_threshold']})"
+    return title + ", adaptive draft length" if summary.get("draft_length") == "adaptive" else title
 
 
 def speed_record(runs: list[GenerationResult], base_runs: list[GenerationResult]) -> dict:
