@@ -9,8 +9,8 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
 from trtllm_dflash.models.drafter import InferenceWeights
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
-from trtllm_dflash.models.target import (GptOssTarget, attention_bias, causal_mask, fused_attention, routed_experts,
-                                         sink_attention)
+from trtllm_dflash.models.target import (GptOssTarget, attention_bias, causal_mask, compact_copy, fused_attention,
+                                         routed_experts, sink_attention)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -34,6 +34,36 @@ def test_routed_experts_equal_transformers_mlp(tokens, experts, top_k, dtype):
         torch.testing.assert_close(got, expected[0], rtol=1e-6, atol=1e-6)
     else:
         torch.testing.assert_close(got, expected[0], rtol=1.6e-2, atol=1e-2)
+
+
+def test_experts_read_from_exact_bf16_copies_give_the_same_numbers():
+    """Experts that bf16 holds exactly (as MXFP4 ones) are kept as bf16 copies and cast back per GEMM:
+    bit-identical to the float32 weights. Others (random float32) stay as they are."""
+    config = tiny_target_config(experts=8, top_k=2)
+    torch.manual_seed(3)
+    mlp = GptOssMLP(config).eval()
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    experts = mlp.experts
+    assert compact_copy(experts.gate_up_proj).dtype == torch.float32  # random float32: no exact bf16 copy
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(experts.gate_up_proj.bfloat16().float())
+        experts.down_proj.copy_(experts.down_proj.bfloat16().float())
+    gate_up, down = compact_copy(experts.gate_up_proj), compact_copy(experts.down_proj)
+    assert gate_up.dtype == down.dtype == torch.bfloat16
+    x = torch.randn(8, config.hidden_size)
+    with torch.inference_mode():
+        assert torch.equal(routed_experts(x, mlp, gate_up, down), routed_experts(x, mlp))
+
+
+def test_the_embedded_targets_mxfp4_experts_are_read_from_bf16_copies():
+    from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
+    from trtllm_dflash.embedded import pair_paths
+
+    target = GptOssTarget(load_hf_gpt_oss(pair_paths()[0]))
+    assert target.hf.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
+    assert all(getattr(target, f"{name}_{i}").dtype == torch.bfloat16
+               for i in range(target.num_layers) for name in ("gate_up", "down"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

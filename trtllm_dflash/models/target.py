@@ -11,7 +11,8 @@ weights, gpt-fast style, because the loop needs three things transformers' gener
 On a tiny model a step is bound by per-op overhead, not FLOPs, so the forward keeps the op count
 low: q/k/v come from one GEMM (weights fused at load), RoPE rotates
 q and k in one go, each step builds one additive mask per window kind for all layers, attention is
-one fused kernel on CPU, and the MoE multiplies only the experts a block routes to (`routed_experts`).
+one fused kernel on CPU, and the MoE multiplies only the experts a block routes to (`routed_experts`),
+reading them from exact bf16 copies where the checkpoint's experts allow (`compact_copy`).
 Where a forward hook watches a bypassed module (calibration), that module is called as it is.
 
 Feature convention: target layer id `i` means the OUTPUT of decoder layer `i` (0-based), i.e.
@@ -96,12 +97,18 @@ def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return F.rms_norm(x.float(), norm.weight.shape, norm.weight.float(), norm.variance_epsilon).to(x.dtype)
 
 
-def routed_experts(x: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
+def routed_experts(x: torch.Tensor, mlp: nn.Module, gate_up_proj: torch.Tensor | None = None,
+                   down_proj: torch.Tensor | None = None) -> torch.Tensor:
     """transformers' GptOssMLP on tokens x [n, H]: the same router, the same grouped formulation (rows
     sorted by expert, biases and routing weights applied alike, the top-k outputs summed in order),
     hence the same numbers, but each GEMM covers only an expert that some token routes to. On CPU
-    transformers' grouped_mm multiplies every expert (empty groups included) with extra ops per call."""
+    transformers' grouped_mm multiplies every expert (empty groups included) with extra ops per call.
+
+    `gate_up_proj` / `down_proj`: the experts' weights in another storage dtype (`compact_copy`); each
+    routed expert's matrix is cast back to x's dtype just before its GEMM, so the GEMM is the same."""
     experts = mlp.experts
+    gate_up_proj = experts.gate_up_proj if gate_up_proj is None else gate_up_proj
+    down_proj = experts.down_proj if down_proj is None else down_proj
     _, scores, indices = mlp.router(x)
     top_k = indices.shape[1]
     expert_ids, order = torch.sort(indices.reshape(-1))
@@ -112,19 +119,32 @@ def routed_experts(x: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
         if count:
             spans.append((expert, start, start + count))
             start += count
-    gate_up = rows.new_empty(len(rows), experts.gate_up_proj.shape[-1])
+    gate_up = rows.new_empty(len(rows), gate_up_proj.shape[-1])
     for expert, first, last in spans:
-        torch.mm(rows[first:last], experts.gate_up_proj[expert], out=gate_up[first:last])
+        torch.mm(rows[first:last], gate_up_proj[expert].to(rows.dtype), out=gate_up[first:last])
     gate_up += experts.gate_up_proj_bias[expert_ids]
     act = experts._apply_gate(gate_up)
-    out = rows.new_empty(len(rows), experts.down_proj.shape[-1])
+    out = rows.new_empty(len(rows), down_proj.shape[-1])
     for expert, first, last in spans:
-        torch.mm(act[first:last], experts.down_proj[expert], out=out[first:last])
+        torch.mm(act[first:last], down_proj[expert].to(act.dtype), out=out[first:last])
     out += experts.down_proj_bias[expert_ids]
     out *= scores.reshape(-1)[order, None]
     unsorted = torch.empty_like(out)
     unsorted[order] = out
     return unsorted.view(-1, top_k, out.shape[-1]).sum(dim=1).to(x.dtype)
+
+
+def compact_copy(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 copy of a float32 CPU weight that bf16 represents exactly (MXFP4 experts always are: a
+    2-bit-mantissa value times a power-of-two scale), else the weight itself (the copy serves the lean
+    CPU path only). A step's MoE is bound by reading expert weights, and casting a routed expert's
+    half-size copy back to float32 costs less than reading the float32 original from memory (~8% off
+    an AR step on this project's CPU, docs/benchmarks.md); the GEMM, hence the result, is the same."""
+    weight = weight.detach()
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return weight
+    compact = weight.to(torch.bfloat16)
+    return compact if torch.equal(compact.float(), weight) else weight
 
 
 def hooked(*modules: nn.Module) -> bool:
@@ -157,6 +177,9 @@ class GptOssTarget(nn.Module):
             self.register_buffer(f"qkv_bias_{i}", bias, persistent=False)
             sinks = layer.self_attn.sinks.detach().float().view(self.num_kv_heads, self.groups, 1)
             self.register_buffer(f"sinks_{i}", sinks, persistent=False)
+            experts = layer.mlp.experts
+            self.register_buffer(f"gate_up_{i}", compact_copy(experts.gate_up_proj), persistent=False)
+            self.register_buffer(f"down_{i}", compact_copy(experts.down_proj), persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -237,7 +260,8 @@ class GptOssTarget(nn.Module):
                                    masks[self.windows[i]])
             h = rms_norm(x, layer.post_attention_layernorm)
             if lean and not hooked(layer.mlp.experts):
-                x = x + routed_experts(h.view(b * t, -1), layer.mlp).view(b, t, -1)
+                x = x + routed_experts(h.view(b * t, -1), layer.mlp, getattr(self, f"gate_up_{i}"),
+                                       getattr(self, f"down_{i}")).view(b, t, -1)
             else:
                 x = x + layer.mlp(h)[0]
             if i in feature_layers:
