@@ -124,14 +124,11 @@ def write_text(path: Path, text: str) -> None:
 
 
 def resolve_draft_method(draft_method: str | None, sa_threshold: int | None, backend: str,
-                         engine, draft_length: str = "fixed") -> tuple[str, int | None]:
+                         engine) -> tuple[str, int | None]:
     """-> (method, suffix-match threshold or None). Default: dflash-sa on the reference runtime (the
     fastest there, docs/benchmarks.md), DFlash on TensorRT-LLM (which has no suffix drafting)."""
     from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD
 
-    if backend == "trtllm" and draft_length == "adaptive":
-        raise InputError("--draft-length adaptive runs on the reference backend only (TensorRT-LLM sizes drafts by "
-                         "the engine's draft_len_schedule).", field="--draft-length")
     if backend == "trtllm":
         if draft_method in ("ngram", "dflash-sa") or sa_threshold is not None:
             raise InputError("--draft-method ngram / dflash-sa and --sa-threshold run on the reference backend only; "
@@ -143,10 +140,19 @@ def resolve_draft_method(draft_method: str | None, sa_threshold: int | None, bac
     return method, sa_threshold or (engine.sa_threshold if engine is not None else None) or DEFAULT_SA_THRESHOLD
 
 
-def check_draft_length(draft_length: str, draft_method: str | None) -> None:
-    if draft_length == "adaptive" and draft_method == "ngram":
+def resolve_draft_length(draft_length: str | None, method: str, backend: str) -> str:
+    """-> "fixed" or "adaptive". Default: adaptive on the reference runtime for dflash and dflash-sa
+    (faster at every batch size measured, docs/benchmarks.md), fixed for n-gram and on TensorRT-LLM
+    (which sizes drafts by the engine's draft_len_schedule)."""
+    if draft_length == "adaptive" and backend == "trtllm":
+        raise InputError("--draft-length adaptive runs on the reference backend only (TensorRT-LLM sizes drafts by "
+                         "the engine's draft_len_schedule).", field="--draft-length")
+    if draft_length == "adaptive" and method == "ngram":
         raise InputError("sizes the drafts of dflash and dflash-sa from the drafter's measured step costs; "
                          "it means nothing with --draft-method ngram.", field="--draft-length")
+    if backend == "trtllm" or method == "ngram":
+        return "fixed"
+    return draft_length or "adaptive"
 
 
 def adaptive_policy(target, drafter, block_size: int | None, batch_size: int):
@@ -268,10 +274,11 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
 @click.option("--sa-threshold", type=click.IntRange(min=1),
               help="dflash-sa: take suffix drafts when the longest earlier-occurring suffix has at least this many "
                    "tokens [default: the engine's, else 2].")
-@click.option("--draft-length", type=click.Choice(["fixed", "adaptive"]), default="fixed", show_default=True,
-              help="adaptive: per step, the number of drafts that maximises expected tokens per second of step, from "
-                   "step costs measured at start-up (a few seconds) and the acceptance seen so far (dflash, dflash-sa; "
-                   "reference backend). It pays where a step's cost grows with its drafts (batch 4 and up on CPU).")
+@click.option("--draft-length", type=click.Choice(["adaptive", "fixed"]),
+              help="adaptive: per step, the number of drafts (0 = an autoregressive step) that maximises expected tokens "
+                   "per second of step, from step costs measured at start-up (seconds) and the acceptance seen so far; "
+                   "fixed: always the block's [default: adaptive for dflash / dflash-sa on the reference backend, else "
+                   "fixed].")
 @click.option("--backend", type=click.Choice(["auto", "trtllm", "reference"]), default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (reference backend).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
@@ -302,7 +309,6 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     if sa_threshold is not None and draft_method not in (None, "dflash-sa"):
         raise InputError(f"sets the suffix-match length of --draft-method dflash-sa; it means nothing with "
                          f"--draft-method {draft_method}.", field="--sa-threshold")
-    check_draft_length(draft_length, draft_method)
     if repeats is not None and not baseline:
         raise InputError("repeats the comparison with autoregressive decoding; add --baseline.", field="--repeats")
     repeats = repeats or (3 if baseline else 1)
@@ -341,7 +347,8 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     else:
         chosen, reason = choose_backend(backend)
     click.echo(f"backend: {chosen} ({reason})", err=True)
-    method, sa_threshold = resolve_draft_method(draft_method, sa_threshold, chosen, engine, draft_length)
+    method, sa_threshold = resolve_draft_method(draft_method, sa_threshold, chosen, engine)
+    draft_length = resolve_draft_length(draft_length, method, chosen)
     runtimes = build_runtime(chosen, engine.root if engine else None, target_dir, drafter_dir, method, sa_threshold,
                              block_size, schedule, device, dtype, baseline, draft_length, batch_size)
     for runtime in runtimes:

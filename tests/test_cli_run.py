@@ -34,7 +34,7 @@ def test_json_output_and_baseline(tiny_pair, tmp_path):
     required = {"prompt", "prompt_token_ids", "output_token_ids", "text", "num_output_tokens", "steps",
                 "acceptance_length", "acceptance_histogram", "decode_tokens_per_s", "baseline_output_token_ids",
                 "baseline_decode_tokens_per_s", "speedup", "speedup_min", "speedup_max", "matches_baseline",
-                "suffix_steps"}
+                "suffix_steps", "draftless_steps"}
     for record in records:
         assert required <= set(record)
         assert record["matches_baseline"] is True
@@ -49,6 +49,7 @@ def test_json_output_and_baseline(tiny_pair, tmp_path):
     assert summary["steps"] == sum(r["steps"] for r in records)
     assert summary["acceptance_length"] == pytest.approx(committed / summary["steps"])
     assert summary["suffix_steps"] == sum(r["suffix_steps"] for r in records)
+    assert summary["draftless_steps"] == sum(r["draftless_steps"] for r in records)
     assert summary["speedup_min"] <= summary["speedup"] <= summary["speedup_max"]
     assert summary["outputs_identical"] == 3 and isinstance(summary["spread_wider_than_effect"], bool)
 
@@ -63,12 +64,14 @@ def test_a_request_without_verify_steps_has_no_tau(tiny_pair):
     assert report.exit_code == 0 and "acceptance length (tau)" in report.output
 
 
-@pytest.mark.parametrize("args,title", [([], "DFlash + suffix automaton (threshold 2) on the reference backend"),
-                                        (["--sa-threshold", 4], "DFlash + suffix automaton (threshold 4)"),
-                                        (["--draft-method", "dflash"], "DFlash on the reference backend"),
-                                        (["--draft-method", "ngram"], "n-gram prompt lookup on the reference"),
-                                        (["--draft-length", "adaptive"],
-                                         "DFlash + suffix automaton (threshold 2), adaptive draft length")])
+@pytest.mark.parametrize("args,title", [([], "DFlash + suffix automaton (threshold 2), adaptive draft length"),
+                                        (["--sa-threshold", 4], "DFlash + suffix automaton (threshold 4), adaptive"),
+                                        (["--draft-length", "fixed"],
+                                         "DFlash + suffix automaton (threshold 2) on the reference backend"),
+                                        (["--draft-method", "dflash", "--draft-length", "fixed"],
+                                         "DFlash on the reference backend"),
+                                        (["--draft-method", "dflash"], "DFlash, adaptive draft length on the"),
+                                        (["--draft-method", "ngram"], "n-gram prompt lookup on the reference")])
 def test_the_title_names_the_method_that_ran(tiny_pair, args, title):
     target, drafter = tiny_pair
     result = invoke("--target", target, "--drafter", drafter, "--prompt", "abcabc", "--max-tokens", 6, "--no-stream",
@@ -124,14 +127,17 @@ def test_adaptive_draft_length_is_lossless_and_reported(tiny_pair, method):
     assert "adaptive draft length: step costs at batch 2" in result.stderr
 
 
-def test_adaptive_draft_length_is_refused_on_tensorrt_llm():
-    from trtllm_dflash.cli.run import resolve_draft_method
+def test_draft_length_defaults_and_refusals():
+    from trtllm_dflash.cli.run import resolve_draft_length
     from trtllm_dflash.errors import InputError
 
+    assert [resolve_draft_length(None, method, "reference") for method in ("dflash-sa", "dflash", "ngram")] == \
+        ["adaptive", "adaptive", "fixed"]
+    assert resolve_draft_length(None, "dflash", "trtllm") == "fixed"
+    assert resolve_draft_length("fixed", "dflash-sa", "reference") == "fixed"
     with pytest.raises(InputError, match="reference backend only") as raised:
-        resolve_draft_method(None, None, "trtllm", None, "adaptive")
+        resolve_draft_length("adaptive", "dflash", "trtllm")
     assert raised.value.field == "--draft-length"
-    assert resolve_draft_method(None, None, "trtllm", None, "fixed") == ("dflash", None)
 
 
 def test_text_prompts_file_and_human_report(tiny_pair, tmp_path):

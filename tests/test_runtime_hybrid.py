@@ -236,8 +236,11 @@ def test_adaptive_draft_length_trades_acceptance_against_cost():
     for _ in range(10):
         policy.observe("neural", 2, [0])  # the drafter's first draft always fails
         policy.observe("suffix", 3, [3])  # the suffix drafts always hold
-    assert policy.choose("neural", 3) == 1 and policy.choose("suffix", 3) == 3
+    # a draft that never holds is not worth its cost: autoregressive steps, then one draft to look again
+    assert [policy.choose("neural", 3) for _ in range(policy.explore_every)] == [0] * 7 + [1]
+    assert policy.choose("neural", 3) == 0 and policy.choose("suffix", 3) == 3
     assert policy.choose("suffix", 2) == 2  # never more than the loop allows
+    assert AdaptiveDraftLength(costs, least=1).choose("neural", 3) == 2  # least=1: always drafts
     assert AdaptiveDraftLength({"neural": [1.0, 1.0, 1.0, 1.0]}).choose("neural", 3) == 3  # free drafts: all
 
 
@@ -254,6 +257,45 @@ def test_adaptive_draft_length_stays_token_identical(random_pair, batch_size):
         assert [r.output_token_ids for r in results] == expected
     chosen = plain_policy.chosen["neural"] + hybrid_policy.chosen["neural"] + hybrid_policy.chosen["suffix"]
     assert len(set(chosen)) > 1, "the policy never changed K: the test would not exercise a varying block"
+    assert 0 in chosen, "no autoregressive step: the test would not exercise K = 0"
+
+
+@pytest.mark.parametrize("batch_size", [3, 8])
+def test_context_queued_over_steps_without_drafts_survives_rows_leaving(random_pair, batch_size):
+    """Mostly K = 0: committed features queue up between drafts while rows finish at different steps
+    (and leave the batch); drafting after that must still be lossless and the drafter's context exact."""
+    target, drafter, prompts, expected = random_pair
+    policy = AdaptiveDraftLength({"neural": [1.0, 2.0, 2.1, 2.2], "suffix": [1.0, 1.1, 1.2, 1.3]}, explore_every=3)
+    proposer = SuffixDFlashProposer(DFlashProposer(drafter, target), 2, policy=policy)
+    results = ReferenceRuntime(target, proposer).generate(prompts, SamplingParams(max_tokens=24), batch_size=batch_size)
+    assert [r.output_token_ids for r in results] == expected
+    assert 0 in policy.chosen["neural"] and any(policy.chosen["neural"])
+    assert len({r.stats.steps for r in results}) > 1, "rows must finish at different steps"
+    assert 0 < sum(r.stats.draftless_steps for r in results) < sum(r.stats.steps for r in results)
+
+
+def test_append_ragged_after_the_widest_row_left():
+    from trtllm_dflash.runtime.proposers import append_ragged
+
+    buffer = torch.arange(2 * 4, dtype=torch.float32).view(2, 4, 1)  # row 0 held 4 entries, row 1 holds 1
+    rows = torch.tensor([1])
+    out, lens = append_ragged(buffer[rows], torch.tensor([1]), torch.tensor([[[10.0], [11.0]]]), torch.tensor([2]))
+    assert lens.tolist() == [3] and out[0, :, 0].tolist() == [4.0, 10.0, 11.0]
+
+
+def test_adaptive_steps_without_drafts_also_sample(random_pair):
+    """K = 0 under rejection sampling: the step samples the target's token and the run completes,
+    reproducibly, with the drafter's context caught up at its next draft."""
+    target, drafter, prompts, _ = random_pair
+    params = SamplingParams(max_tokens=20, temperature=0.8, seed=3)
+    costs = {"neural": [1.0, 2.0, 2.1, 2.2], "suffix": [1.0, 1.1, 1.2, 1.3]}  # drafting rarely pays
+    outputs = []
+    for _ in range(2):
+        policy = AdaptiveDraftLength(costs)
+        runtime = ReferenceRuntime(target, SuffixDFlashProposer(DFlashProposer(drafter, target), 2, policy=policy))
+        outputs.append([r.output_token_ids for r in runtime.generate(prompts, params, batch_size=3)])
+        assert 0 in policy.chosen["neural"] and any(policy.chosen["neural"])
+    assert outputs[0] == outputs[1] and all(len(o) == 20 for o in outputs[0])
 
 
 def test_measured_step_costs_cover_every_draft_length(random_pair):

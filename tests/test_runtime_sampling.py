@@ -102,16 +102,19 @@ def test_hybrid_samples_follow_target_distribution(pair):
     assert p_value > ALPHA, f"dflash-sa samples deviate from the target distribution (p = {p_value:.2e})"
 
 
-def test_adaptive_draft_length_with_a_bf16_head_samples_follow_target_distribution(pair):
+@pytest.mark.parametrize("neural_costs", [[1.0, 1.1, 1.2, 1.3], [1.0, 2.0, 2.1, 2.2]])
+def test_adaptive_draft_length_with_a_bf16_head_samples_follow_target_distribution(pair, neural_costs):
     """dflash-sa at T=0.7 with a K chosen per step from past acceptance and the draft distribution q
-    from a bf16 LM head: still the target's distribution."""
+    from a bf16 LM head: still the target's distribution. Where drafting rarely pays (second cost
+    table) the policy takes steps without drafts (K = 0) between its drafts."""
     hf, target, drafter = pair
     def params(seed):
         return SamplingParams(max_tokens=3, temperature=0.7, seed=seed)
-    costs = [1.0, 1.1, 1.2, 1.3]
-    policy = AdaptiveDraftLength({"neural": costs, "suffix": costs})
+    policy = AdaptiveDraftLength({"neural": neural_costs, "suffix": [1.0, 1.1, 1.2, 1.3]})
     hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target, head_dtype=torch.bfloat16), threshold=1, policy=policy)
     counts, histogram, _ = speculative_counts(target, drafter, params, hybrid)
+    if neural_costs[1] >= 2:
+        assert 0 in policy.chosen["neural"] and any(policy.chosen["neural"])
     assert histogram[0] > 0 and sum(histogram[1:]) > 0, "both acceptance and rejection must be exercised"
     p_value = chi_square_p_value(counts, exact_joint(hf, params(0)))
     assert p_value > ALPHA, f"adaptive-K samples deviate from the target distribution (p = {p_value:.2e})"
@@ -142,3 +145,15 @@ def test_exact_joint_is_a_distribution(pair):
     joint = exact_joint(hf, SamplingParams(temperature=0.7, top_p=0.9))
     assert torch.isclose(joint.sum(), torch.tensor(1.0, dtype=torch.float64))
     assert not all(torch.isclose(joint.flatten(), joint.flatten()[:1]).tolist())  # not uniform: the test has power
+
+
+def test_a_block_without_drafts_samples_the_bonus_from_the_target():
+    """K = 0 (a draft-length schedule's 0, or the adaptive policy's): no draft to judge; the step's
+    token is drawn from the target's distribution with the step's uniform."""
+    from trtllm_dflash.runtime.accept import sample_from_probs
+
+    p = torch.softmax(torch.randn(2, 1, VOCAB), dim=-1)
+    u = torch.tensor([[0.3], [0.9]])
+    drafts = torch.zeros(2, 0, dtype=torch.long)
+    accepted, bonus = rejection_accept(drafts, torch.zeros(2, 0, VOCAB), p, u)
+    assert accepted.tolist() == [0, 0] and torch.equal(bonus, sample_from_probs(p[:, 0], u[:, 0]))

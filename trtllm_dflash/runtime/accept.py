@@ -64,7 +64,7 @@ def rejection_accept(
 
     rows = torch.arange(draft_tokens.shape[0], device=draft_tokens.device)
     p_next = target_probs[rows, num_accepted]
-    q_padded = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)
+    q_padded = torch.cat([draft_probs, draft_probs.new_zeros(len(rows), 1, target_probs.shape[-1])], dim=1)
     residual = (p_next - q_padded[rows, num_accepted]).clamp_(min=0)
     # All drafts kept -> q row is zero and the residual is p itself (the bonus distribution).
     # A residual that vanishes numerically (p == q) falls back to p, which is then exact.

@@ -63,14 +63,18 @@ class AcceptanceEstimate:
 class AdaptiveDraftLength:
     """Chooses K in [least, most] per step and source: argmax of expected tokens / cost[source][K].
 
-    `costs[source][K]` is the measured seconds of a step with K drafts from that source (index 0
-    unused unless least is 0); see `measure_step_costs`. `least` is 1 by default so the estimate keeps
-    learning (a step without drafts observes nothing)."""
+    `costs[source][K]` is the measured seconds of a step with K drafts from that source, K = 0 being a
+    plain autoregressive step; see `measure_step_costs`. K = 0 wins where drafting costs more time than
+    its expected tokens save (on a small CPU target a drafter step costs about an AR step, so a draft
+    must be likely to hold). A step without drafts observes nothing, so after `explore_every`
+    such steps in a row the source drafts again (its best K >= 1) to refresh its estimate."""
 
-    def __init__(self, costs: dict[str, list[float]], least: int = 1, decay: float = 0.9, prior: float = 0.5):
-        self.costs, self.least = costs, least
+    def __init__(self, costs: dict[str, list[float]], least: int = 0, decay: float = 0.9, prior: float = 0.5,
+                 explore_every: int = 8):
+        self.costs, self.least, self.explore_every = costs, least, explore_every
         self.most = min(len(row) for row in costs.values()) - 1
         self.estimates = {source: AcceptanceEstimate(self.most, decay, prior) for source in costs}
+        self.idle = {source: 0 for source in costs}  # steps in a row without drafts, per source
         self.chosen: dict[str, list[int]] = {source: [] for source in costs}  # K of every step, for reports
 
     def choose(self, source: str, most: int) -> int:
@@ -78,7 +82,16 @@ class AdaptiveDraftLength:
         if most <= self.least:
             return most
         expected, cost = self.estimates[source].expected_tokens(), self.costs[source]
-        k = max(range(self.least, most + 1), key=lambda k: expected[k] / cost[k])
+
+        def best(least: int) -> int:
+            return max(range(least, most + 1), key=lambda k: expected[k] / cost[k])
+        k = best(self.least)
+        if k == 0:
+            self.idle[source] += 1
+            if self.idle[source] >= self.explore_every:
+                k = best(1)
+        if k:
+            self.idle[source] = 0
         self.chosen[source].append(k)
         return k
 

@@ -86,14 +86,18 @@ class DFlashProposer:
     def write_pending_context(self) -> None:
         """Write the queued committed positions' context K/V (before drafting, and on steps whose
         drafts come from elsewhere, so the draft cache never falls behind the committed tokens)."""
-        self.drafter.write_context(self.pending, self.context_lens[:, None] + self.columns[: self.pending.shape[1]],
-                                   self.cache)
+        # A row's entries past its own pending length are padding: they land past its context, where
+        # nothing reads them before they are overwritten; the clamp keeps them inside the arena.
+        positions = (self.context_lens[:, None] + self.columns[: self.pending.shape[1]]).clamp_(max=self.cache.capacity - 1)
+        self.drafter.write_context(self.pending, positions, self.cache)
         self.context_lens += self.pending_lens
         self.pending, self.pending_lens = self.pending[:, :0], self.pending_lens.zero_()
 
     def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
         if self.policy is not None:
             num_drafts = self.policy.choose("neural", num_drafts)
+        if num_drafts == 0:  # an autoregressive step: the queued context waits for the next draft
+            return anchors.new_zeros(len(anchors), 0), None
         self.write_pending_context()
         width = num_drafts + 1
         block = self.block[:, :width]
@@ -135,7 +139,8 @@ def append_ragged(buffer: torch.Tensor, lens: torch.Tensor, new: torch.Tensor, n
         return new[:, : int(new_lens.max())], new_lens.clone()
     total = lens + new_lens
     out = buffer.new_zeros(buffer.shape[0], int(total.max()), buffer.shape[2])
-    out[:, : buffer.shape[1]] = buffer
+    kept = min(buffer.shape[1], out.shape[1])  # rows that left the batch may have made the buffer wider
+    out[:, :kept] = buffer[:, :kept]
     columns = lens[:, None] + torch.arange(new.shape[1], device=new.device)
     keep = torch.arange(new.shape[1], device=new.device) < new_lens[:, None]
     rows = torch.arange(new.shape[0], device=new.device)[:, None].expand_as(columns)
@@ -226,6 +231,9 @@ class SuffixDFlashProposer:
         if self.policy is not None:
             num_drafts = self.policy.choose("suffix" if all(self.suffix_rows) else "neural", num_drafts)
             matched = [None if row is None else row[:num_drafts] for row in matched]
+        if num_drafts == 0:  # an autoregressive step (the policy's choice)
+            self.suffix_rows = [False] * len(matched)
+            return anchors.new_zeros(len(anchors), 0), None
         if all(self.suffix_rows):
             self.dflash.write_pending_context()
             return torch.tensor(matched, dtype=anchors.dtype, device=anchors.device), None

@@ -180,7 +180,8 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
             from_suffix = getattr(proposer, "suffix_rows", None) if num_drafts else None
             for row, (request, a, draft_row, bonus_token) in enumerate(
                     zip(rows, num_accepted.tolist(), drafts.tolist(), bonus.tolist())):
-                stats[request].record_step(a, from_suffix=bool(from_suffix and from_suffix[row]))
+                stats[request].record_step(a, from_suffix=bool(from_suffix and from_suffix[row]),
+                                           drafted=drafts.shape[1] > 0)
                 commit(request, draft_row[:a] + [bonus_token])
             anchors, positions = bonus, positions + num_accepted + 1
     except KeyboardInterrupt:

@@ -53,7 +53,8 @@ def summary_record(results: list[GenerationResult], spec_runs: list[list[Generat
     summary = {"summary": True, **settings, "prompts": len(results), "batch_size": batch_size,
                "output_tokens": total.num_output_tokens, "steps": total.steps,
                "acceptance_length": total.acceptance_length if total.steps else None,
-               "suffix_steps": total.suffix_steps, "decode_tokens_per_s": total.decode_tokens_per_s}
+               "suffix_steps": total.suffix_steps, "draftless_steps": total.draftless_steps,
+               "decode_tokens_per_s": total.decode_tokens_per_s}
     if base_runs:
         rates = [total_stats(run, batch_size).decode_tokens_per_s for run in spec_runs]
         base_rates = [total_stats(run, batch_size).decode_tokens_per_s for run in base_runs]
@@ -102,6 +103,8 @@ def print_report(records: list[dict], summary: dict, results: list[GenerationRes
     table.add_row("acceptance length (tau)", "-" if tau is None else f"{tau:.2f} tokens/step")
     if summary["method"] == "dflash-sa":
         table.add_row("steps with suffix drafts", f"{summary['suffix_steps']}/{total.steps}")
+    if summary["draftless_steps"]:
+        table.add_row("steps without drafts", f"{summary['draftless_steps']}/{total.steps}")
     table.add_row("per-position acceptance", acceptance_bars(total.per_position_acceptance))
     table.add_row("threads", str(summary["threads"]))
     if "baseline_decode_tokens_per_s" in summary:

@@ -2,7 +2,8 @@
 
 Per verify step a request keeps `a` drafts (0..block_size-1) and commits `a + 1` tokens.
 acceptance length (tau) = mean of a + 1 over steps; per-position acceptance k = fraction of steps
-whose draft k (1-based) was kept; the histogram counts steps by `a`. These measure the verifier's
+whose draft k (1-based) was kept (steps that drafted fewer than k count as not kept); the histogram
+counts steps by `a`. These measure the verifier's
 verdicts, the usual definition: a request's last step counts every draft it kept, also those past
 a stop token or max_tokens that are never returned (so tau can exceed returned tokens / steps by up
 to (block_size - 1) / steps). Token rates count returned tokens only.
@@ -24,15 +25,17 @@ class RequestStats:
     requests: int = 1  # > 1 for totals: each request's first token comes from prefill
     decode_time: float = 0.0
     suffix_steps: int = 0  # steps whose drafts came from the suffix index (dflash-sa), not the drafter
+    draftless_steps: int = 0  # steps that verified no draft (an adaptive or scheduled draft length of 0)
 
     def __post_init__(self):
         if not self.accepted_histogram:
             self.accepted_histogram = [0] * self.block_size
 
-    def record_step(self, num_accepted: int, from_suffix: bool = False) -> None:
+    def record_step(self, num_accepted: int, from_suffix: bool = False, drafted: bool = True) -> None:
         self.accepted_histogram[num_accepted] += 1
         self.accepted_per_step.append(num_accepted)
         self.suffix_steps += from_suffix
+        self.draftless_steps += not drafted
 
     @property
     def steps(self) -> int:
@@ -66,6 +69,7 @@ class RequestStats:
         self.num_output_tokens += other.num_output_tokens
         self.requests += other.requests
         self.suffix_steps += other.suffix_steps
+        self.draftless_steps += other.draftless_steps
 
     def to_dict(self) -> dict:
         return {
@@ -78,6 +82,7 @@ class RequestStats:
             "decode_time_s": self.decode_time,
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "suffix_steps": self.suffix_steps,
+            "draftless_steps": self.draftless_steps,
         }
 
 
