@@ -92,8 +92,10 @@ def target_bytes(target: GptOssTarget, experts_touched: float, batch: int, conte
     """Bytes a target step reads: attention, router and norm weights of every layer, `experts_touched`
     experts in all (summed over layers), the LM head, and the K/V of `batch` rows at `context`."""
     cfg, layers = target.config, target.hf.model.layers
-    experts = layers[0].mlp.experts
-    per_expert = nbytes(experts) / cfg.num_local_experts
+    experts = layers[0].mlp.experts  # weights as the lean path reads them (exact bf16 copies where they exist)
+    weights = (getattr(target, "gate_up_0"), getattr(target, "down_0"))
+    per_expert = (sum(w.numel() * w.element_size() for w in weights)
+                  + nbytes(experts) - experts.gate_up_proj.nbytes - experts.down_proj.nbytes) / cfg.num_local_experts
     dense = sum(nbytes(layer.self_attn, layer.mlp.router, layer.input_layernorm, layer.post_attention_layernorm)
                 for layer in layers)
     kv = sum(batch * 2 * cfg.num_key_value_heads * cfg.head_dim * 4 *
