@@ -32,7 +32,7 @@ from trtllm_dflash.models.drafter import load_drafter
 from trtllm_dflash.models.random_pair import drafter_config_for, save_random_drafter, save_random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
-from trtllm_dflash.runtime.draft_length import AdaptiveDraftLength, measure_step_costs
+from trtllm_dflash.runtime.draft_length import AdaptiveDraftLength, format_costs, measure_step_costs
 from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer, NGramProposer, SuffixDFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
@@ -113,8 +113,7 @@ def main() -> None:
         start = time.perf_counter()
         costs = measure_step_costs(target, lambda: DFlashProposer(drafter, target), args.batch_size, block - 1)
         print(f"step costs at batch {args.batch_size} (ms, K = 0..{block - 1}; measured in "
-              f"{time.perf_counter() - start:.1f} s): " + "; ".join(
-                  f"{source} " + " ".join(f"{c * 1e3:.2f}" for c in row) for source, row in costs.items()))
+              f"{time.perf_counter() - start:.1f} s): {format_costs(costs)}")
         policies["dflash-adapt"] = AdaptiveDraftLength(costs)
         runtimes["dflash-adapt"] = ReferenceRuntime(target, DFlashProposer(drafter, target,
                                                                            policy=policies["dflash-adapt"]))

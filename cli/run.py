@@ -159,15 +159,14 @@ def adaptive_policy(target, drafter, block_size: int | None, batch_size: int):
     """The adaptive draft-length policy, from step costs measured here at this batch size."""
     import time
 
-    from trtllm_dflash.runtime.draft_length import AdaptiveDraftLength, measure_step_costs
+    from trtllm_dflash.runtime.draft_length import AdaptiveDraftLength, format_costs, measure_step_costs
     from trtllm_dflash.runtime.proposers import DFlashProposer
 
     most = (block_size or drafter.config.block_size) - 1
     start = time.perf_counter()
     costs = measure_step_costs(target, lambda: DFlashProposer(drafter, target, block_size), batch_size, most)
     click.echo(f"adaptive draft length: step costs at batch {batch_size} measured in "
-               f"{time.perf_counter() - start:.1f} s (ms, K = 0..{most}): " + "; ".join(
-                   f"{source} " + " ".join(f"{c * 1e3:.2f}" for c in row) for source, row in costs.items()), err=True)
+               f"{time.perf_counter() - start:.1f} s (ms, K = 0..{most}): {format_costs(costs)}", err=True)
     return AdaptiveDraftLength(costs)
 
 

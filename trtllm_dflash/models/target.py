@@ -138,7 +138,7 @@ def compact_copy(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 copy of a float32 CPU weight that bf16 represents exactly (MXFP4 experts always are: a
     2-bit-mantissa value times a power-of-two scale), else the weight itself (the copy serves the lean
     CPU path only). A step's MoE is bound by reading expert weights, and casting a routed expert's
-    half-size copy back to float32 costs less than reading the float32 original from memory (~8% off
+    half-size copy back to float32 costs less than reading the float32 original from memory (~7% off
     an AR step on this project's CPU, docs/benchmarks.md); the GEMM, hence the result, is the same."""
     weight = weight.detach()
     if weight.dtype != torch.float32 or weight.device.type != "cpu":

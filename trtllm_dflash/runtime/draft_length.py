@@ -100,6 +100,11 @@ class AdaptiveDraftLength:
             self.estimates[source].observe(num_drafts, num_accepted)
 
 
+def format_costs(costs: dict[str, list[float]]) -> str:
+    """A cost table for a log line: per source, the milliseconds of K = 0, 1, ... drafts."""
+    return "; ".join(f"{source} " + " ".join(f"{c * 1e3:.2f}" for c in row) for source, row in costs.items())
+
+
 def interleaved_medians(calls: list, rounds: int) -> list[float]:
     """Median seconds of each call, timed round-robin (every call once per round) so that load from
     other jobs hits them alike."""

@@ -178,10 +178,10 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
             drafts, num_accepted, bonus = verify_step(target, cache, proposer, anchors, positions, history,
                                                       num_drafts, params, generator, step_times)
             from_suffix = getattr(proposer, "suffix_rows", None) if num_drafts else None
+            drafted = drafts.shape[1] > 0  # the proposer may have chosen none (adaptive draft length)
             for row, (request, a, draft_row, bonus_token) in enumerate(
                     zip(rows, num_accepted.tolist(), drafts.tolist(), bonus.tolist())):
-                stats[request].record_step(a, from_suffix=bool(from_suffix and from_suffix[row]),
-                                           drafted=drafts.shape[1] > 0)
+                stats[request].record_step(a, from_suffix=bool(from_suffix and from_suffix[row]), drafted=drafted)
                 commit(request, draft_row[:a] + [bonus_token])
             anchors, positions = bonus, positions + num_accepted + 1
     except KeyboardInterrupt:
