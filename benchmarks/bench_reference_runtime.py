@@ -11,9 +11,10 @@ show the loop's overhead only. The runs are interleaved per batch of prompts (ev
 batch before the next, in rotating order) and speed-ups are the median of per-repeat ratios
 (min..max beside it), so machine noise largely cancels. tau is pooled:
 committed tokens over verify steps of all prompts. Greedy outputs are also checked for
-losslessness against the autoregressive run. With --bf16-head, DFlash and dflash-sa also run with
-their draft logits from a bfloat16 copy of the LM head. With --adaptive, DFlash and dflash-sa also run with a
-per-step adaptive draft length (`runtime/draft_length.py`), its step costs measured here first.
+losslessness against the autoregressive run. With --adaptive, DFlash and dflash-sa also run with a
+per-step adaptive draft length (`runtime/draft_length.py`), its step costs measured here first. With
+--bf16-drafter, every DFlash and dflash-sa row is also run with the drafter step's GEMMs in bfloat16
+(`DFlashProposer(matmul_dtype=...)`; adaptive rows with their own step costs).
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def main() -> None:
                         help="dflash-sa rows at these suffix-match thresholds (comma-separated)")
     parser.add_argument("--adaptive", action="store_true",
                         help="add DFlash and dflash-sa rows with a per-step adaptive draft length")
-    parser.add_argument("--bf16-head", action="store_true",
-                        help="add DFlash and dflash-sa rows whose draft logits come from a bfloat16 LM head copy")
+    parser.add_argument("--bf16-drafter", action="store_true",
+                        help="add DFlash and dflash-sa rows whose drafter GEMMs run in bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -95,32 +96,30 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens)  # no stop ids: every run decodes the same length
     block = drafter.config.block_size
     runtimes = {"autoregressive": ReferenceRuntime(target, None),
-                "dflash": ReferenceRuntime(target, DFlashProposer(drafter, target)),
                 "ngram": ReferenceRuntime(target, NGramProposer(num_drafts=block - 1))}
-    for extra in (int(x) for x in args.dflash_blocks.split(",") if x):
-        runtimes[f"dflash-b{extra}"] = ReferenceRuntime(target, DFlashProposer(drafter, target, block_size=extra))
-    for threshold in (int(x) for x in args.sa_thresholds.split(",") if x):
-        runtimes[f"dflash-sa{threshold}"] = ReferenceRuntime(
-            target, SuffixDFlashProposer(DFlashProposer(drafter, target), threshold))
-    if args.bf16_head:
-        threshold = int(args.sa_thresholds.split(",")[0])
-        runtimes["dflash-bf16head"] = ReferenceRuntime(target, DFlashProposer(drafter, target,
-                                                                              head_dtype=torch.bfloat16))
-        runtimes[f"dflash-sa{threshold}-bf16head"] = ReferenceRuntime(target, SuffixDFlashProposer(
-            DFlashProposer(drafter, target, head_dtype=torch.bfloat16), threshold))
     policies: dict[str, AdaptiveDraftLength] = {}
-    if args.adaptive:
-        start = time.perf_counter()
-        costs = measure_step_costs(target, lambda: DFlashProposer(drafter, target), args.batch_size, block - 1)
-        print(f"step costs at batch {args.batch_size} (ms, K = 0..{block - 1}; measured in "
-              f"{time.perf_counter() - start:.1f} s): {format_costs(costs)}")
-        policies["dflash-adapt"] = AdaptiveDraftLength(costs)
-        runtimes["dflash-adapt"] = ReferenceRuntime(target, DFlashProposer(drafter, target,
-                                                                           policy=policies["dflash-adapt"]))
-        threshold = int(args.sa_thresholds.split(",")[0])
-        policies[f"dflash-sa{threshold}-adapt"] = AdaptiveDraftLength(costs)
-        runtimes[f"dflash-sa{threshold}-adapt"] = ReferenceRuntime(target, SuffixDFlashProposer(
-            DFlashProposer(drafter, target), threshold, policy=policies[f"dflash-sa{threshold}-adapt"]))
+    first_threshold = int(args.sa_thresholds.split(",")[0])
+    for matmul_dtype in (None, torch.bfloat16) if args.bf16_drafter else (None,):
+        suffix = "" if matmul_dtype is None else "-bf16"
+
+        def dflash(**kwargs) -> DFlashProposer:
+            return DFlashProposer(drafter, target, matmul_dtype=matmul_dtype, **kwargs)
+
+        runtimes[f"dflash{suffix}"] = ReferenceRuntime(target, dflash())
+        for extra in (int(x) for x in args.dflash_blocks.split(",") if x):
+            runtimes[f"dflash-b{extra}{suffix}"] = ReferenceRuntime(target, dflash(block_size=extra))
+        for threshold in (int(x) for x in args.sa_thresholds.split(",") if x):
+            runtimes[f"dflash-sa{threshold}{suffix}"] = ReferenceRuntime(target, SuffixDFlashProposer(dflash(), threshold))
+        if args.adaptive:
+            start = time.perf_counter()
+            costs = measure_step_costs(target, dflash, args.batch_size, block - 1)
+            print(f"step costs{suffix} at batch {args.batch_size} (ms, K = 0..{block - 1}; measured in "
+                  f"{time.perf_counter() - start:.1f} s): {format_costs(costs)}")
+            policies[f"dflash-adapt{suffix}"] = AdaptiveDraftLength(costs)
+            runtimes[f"dflash-adapt{suffix}"] = ReferenceRuntime(target, dflash(policy=policies[f"dflash-adapt{suffix}"]))
+            name = f"dflash-sa{first_threshold}-adapt{suffix}"
+            policies[name] = AdaptiveDraftLength(costs)
+            runtimes[name] = ReferenceRuntime(target, SuffixDFlashProposer(dflash(), first_threshold, policy=policies[name]))
     for runtime in runtimes.values():
         runtime.warm_up(prompts[0])
     rates: dict[str, list[float]] = {name: [] for name in runtimes}
@@ -149,14 +148,14 @@ def main() -> None:
 
     print(f"pair={label} device={args.device} threads={args.threads} prompts={len(prompts)} "
           f"batch={args.batch_size} max_tokens={args.max_tokens} block={block} repeats={args.repeats}")
-    print(f"{'method':<16}{'decode tok/s':>14}{'tau':>8}{'draft share':>13}{'suffix steps':>14}"
+    print(f"{'method':<24}{'decode tok/s':>14}{'tau':>8}{'draft share':>13}{'suffix steps':>14}"
           f"{'speed-up':>10}{'min..max':>14}{'vs ngram':>10}{'lossless':>10}")
     for name in runtimes:
         ratios = [r / a for r, a in zip(rates[name], rates["autoregressive"])]
         versus_ngram = statistics.median(r / n for r, n in zip(rates[name], rates["ngram"]))
         lossless = sum(o == a for o, a in zip(outputs[name], outputs["autoregressive"]))
         tau, share, suffix = summary[name]
-        print(f"{name:<16}{statistics.median(rates[name]):>14.1f}{tau:>8.2f}{share:>13.0%}{suffix:>14.0%}"
+        print(f"{name:<24}{statistics.median(rates[name]):>14.1f}{tau:>8.2f}{share:>13.0%}{suffix:>14.0%}"
               f"{statistics.median(ratios):>9.2f}x{min(ratios):>7.2f}..{max(ratios):.2f}x"
               f"{versus_ngram:>9.2f}x{lossless:>6}/{len(prompts)}")
     for name in runtimes:

@@ -3,12 +3,14 @@ autoregressive decoding against transformers' `generate` on the same target.
 
     python benchmarks/bench_step_costs.py [--target DIR --drafter DIR] [--prompts 16] [--max-tokens 128]
                                           [--batch-sizes 1,4,8] [--repeats 3] [--threads 1]
+                                          [--drafter-gemm-dtype auto|float32|bfloat16]
 
 Per repeat and batch size, three runs interleaved on the same prompts (greedy, no stop ids, so every
 run decodes the same length): our autoregressive loop, the DFlash loop, and `GptOssForCausalLM.generate`
 (left-padded batches). Step costs come from the loop's own timers: an AR step and a DFlash verify step
 are the time of `target(...)` plus acceptance per loop iteration, a drafter step the time of
-`DFlashProposer.propose` per iteration. Each figure is the median over repeats, with min..max.
+`DFlashProposer.propose` per iteration (its GEMMs in the dtype `dflash-run` would pick). Each figure is
+the median over repeats, with min..max.
 
 FLOP floors: 2 x the multiply-adds a step needs at the run's mean context (the drafter's context
 projection at the run's mean tokens committed per step), at the GEMM rate this core sustains on a
@@ -33,6 +35,7 @@ import torch
 
 from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
 from trtllm_dflash.models.drafter import DFlashConfig, load_drafter
+from trtllm_dflash.models.linear import drafter_gemm_dtype
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
 from trtllm_dflash.runtime.proposers import DFlashProposer
@@ -103,12 +106,14 @@ def target_bytes(target: GptOssTarget, experts_touched: float, batch: int, conte
     return dense + experts_touched * per_expert + nbytes(target.hf.lm_head, target.hf.model.norm) + kv
 
 
-def drafter_bytes(drafter, target: GptOssTarget, batch: int, context: float) -> float:
-    """Bytes a drafter step reads: all its weights, the target's LM head, its context K/V at `context`."""
+def drafter_bytes(drafter, target: GptOssTarget, batch: int, context: float, gemm_dtype: torch.dtype) -> float:
+    """Bytes a drafter step reads: all its weights and the target's LM head (as `gemm_dtype` copies), its
+    context K/V at `context`."""
     cfg = drafter.config
     window = min(context, cfg.sliding_window or context)
     kv = batch * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4 * window
-    return nbytes(drafter) + nbytes(target.hf.lm_head) + kv
+    weights = sum(p.numel() for m in (drafter, target.hf.lm_head) for p in m.parameters())
+    return weights * gemm_dtype.itemsize + kv
 
 
 def target_flops(cfg, tokens: int, context: float) -> float:
@@ -183,6 +188,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,4,8")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--drafter-gemm-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="as dflash-run's option of that name")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -194,7 +201,9 @@ def main() -> None:
     tokenizer = load_tokenizer(target_dir)
     prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in read_prompts_file(PROMPTS_FILE)[: args.prompts]]
     params = SamplingParams(max_tokens=args.max_tokens)
-    ar, dflash = ReferenceRuntime(target, None), ReferenceRuntime(target, DFlashProposer(drafter, target))
+    gemm = drafter_gemm_dtype(args.drafter_gemm_dtype, torch.float32, torch.device("cpu"))
+    ar = ReferenceRuntime(target, None)
+    dflash = ReferenceRuntime(target, DFlashProposer(drafter, target, matmul_dtype=gemm))
     pad_id = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     for runtime in (ar, dflash):
         runtime.warm_up(prompts[0])
@@ -205,7 +214,7 @@ def main() -> None:
 
     print(f"threads={args.threads} prompts={len(prompts)} max_tokens={args.max_tokens} repeats={args.repeats} "
           f"block={drafter.config.block_size} gemm_rate={rate / 1e9:.1f} GFLOP/s stream={bandwidth / 1e9:.1f} GB/s "
-          f"mean_context={context:.0f}")
+          f"mean_context={context:.0f} drafter_gemm_dtype={str(gemm or torch.float32).removeprefix('torch.')}")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         runs: dict[str, list[Run]] = {"ar": [], "dflash": [], "generate": []}
         for _ in range(args.repeats):
@@ -225,7 +234,7 @@ def main() -> None:
                   "draft": batch * drafter_flops(drafter.config, target.vocab_size, tau, context)}
         byte_floors = {"ar": target_bytes(target, touched.mean(batch, layers), batch, context),
                        "verify": target_bytes(target, touched.mean(batch * block, layers), batch, context),
-                       "draft": drafter_bytes(drafter, target, batch, context)}
+                       "draft": drafter_bytes(drafter, target, batch, context, gemm or torch.float32)}
         print(f"\nbatch {batch}: DFlash tau {tau:.2f}; lossless vs batch-1 AR: "
               f"DFlash {sum(o == e for o, e in zip(runs['dflash'][-1].outputs, reference))}/{len(prompts)}, "
               f"AR {sum(o == e for o, e in zip(runs['ar'][-1].outputs, reference))}/{len(prompts)}, "

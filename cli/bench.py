@@ -138,6 +138,7 @@ def in_process_runners(target_dir, drafter_dir, draft_lengths, prompts, max_toke
     from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
     from trtllm_dflash.checkpoints.validate import validate_pair
     from trtllm_dflash.models.drafter import load_drafter
+    from trtllm_dflash.models.linear import drafter_gemm_dtype
     from trtllm_dflash.models.target import GptOssTarget
     from trtllm_dflash.prompts import prompt_token_ids
     from trtllm_dflash.runtime.interface import check_request
@@ -159,18 +160,22 @@ def in_process_runners(target_dir, drafter_dir, draft_lengths, prompts, max_toke
     torch_dtype = resolve_dtype(dtype, torch_device)
     target = GptOssTarget(load_hf_gpt_oss(target_dir, torch_device, torch_dtype))
     drafter = load_drafter(drafter_dir, torch_device, torch_dtype)
+    gemm = drafter_gemm_dtype("auto", torch_dtype, torch_device)
     runners = [InProcessRunner("ar", 0, ReferenceRuntime(target, None), max_tokens, max_batch)]
-    runners += [InProcessRunner("dflash", k, ReferenceRuntime(target, DFlashProposer(drafter, target, k + 1)),
+    runners += [InProcessRunner("dflash", k, ReferenceRuntime(target, DFlashProposer(drafter, target, k + 1,
+                                                                                    matmul_dtype=gemm)),
                                 max_tokens, max_batch) for k in lengths]
     # dflash-sa (suffix-automaton drafts, else DFlash's) at the longest length, beside DFlash
-    hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target, lengths[-1] + 1), DEFAULT_SA_THRESHOLD)
+    hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target, lengths[-1] + 1, matmul_dtype=gemm),
+                                  DEFAULT_SA_THRESHOLD)
     runners.append(InProcessRunner(SUFFIX_HYBRID, lengths[-1], ReferenceRuntime(target, hybrid), max_tokens, max_batch))
     machine = machine_description(torch_device)
     info = {"title": f"{target_dir.name} + {drafter_dir.name} on {machine}, {max_tokens} tokens/request",
             "machine": machine, "device": str(torch_device),
             "measured_on": {"runner": "in-process", "device": machine, "threads": threads},
             "pair": {"target": str(target_dir), "drafter": str(drafter_dir), "block_size": most + 1},
-            "dtype": str(torch_dtype).removeprefix("torch.")}
+            "dtype": str(torch_dtype).removeprefix("torch."),
+            "drafter_gemm_dtype": str(gemm or torch_dtype).removeprefix("torch.")}
     return runners, ids, lengths, info
 
 

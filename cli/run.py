@@ -155,7 +155,18 @@ def resolve_draft_length(draft_length: str | None, method: str, backend: str) ->
     return draft_length or "adaptive"
 
 
-def adaptive_policy(target, drafter, block_size: int | None, batch_size: int):
+def check_drafter_gemm(drafter_gemm: str | None, method: str, backend: str) -> None:
+    """An explicit --drafter-gemm-dtype needs our drafter: the reference backend, dflash or dflash-sa."""
+    if drafter_gemm is None:
+        return
+    if backend == "trtllm":
+        raise InputError("sets the reference runtime's drafter GEMMs; TensorRT-LLM runs the drafter in the engine's "
+                         "dtype.", field="--drafter-gemm-dtype")
+    if method == "ngram":
+        raise InputError("n-gram drafting runs no drafter.", field="--drafter-gemm-dtype")
+
+
+def adaptive_policy(target, drafter, block_size: int | None, batch_size: int, matmul_dtype: torch.dtype | None):
     """The adaptive draft-length policy, from step costs measured here at this batch size."""
     import time
 
@@ -164,7 +175,8 @@ def adaptive_policy(target, drafter, block_size: int | None, batch_size: int):
 
     most = (block_size or drafter.config.block_size) - 1
     start = time.perf_counter()
-    costs = measure_step_costs(target, lambda: DFlashProposer(drafter, target, block_size), batch_size, most)
+    costs = measure_step_costs(target, lambda: DFlashProposer(drafter, target, block_size, matmul_dtype=matmul_dtype),
+                               batch_size, most)
     click.echo(f"adaptive draft length: step costs at batch {batch_size} measured in "
                f"{time.perf_counter() - start:.1f} s (ms, K = 0..{most}): {format_costs(costs)}", err=True)
     return AdaptiveDraftLength(costs)
@@ -172,8 +184,10 @@ def adaptive_policy(target, drafter, block_size: int | None, batch_size: int):
 
 def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, drafter_dir: Path, draft_method: str,
                   sa_threshold: int | None, block_size: int | None, schedule: dict[int, int] | None, device: str,
-                  dtype: str, with_baseline: bool, draft_length: str = "fixed", batch_size: int = 1):
-    """The runtime(s) for this run: [main] or [main, autoregressive baseline]."""
+                  dtype: str, with_baseline: bool, draft_length: str = "fixed", batch_size: int = 1,
+                  drafter_gemm: str = "auto"):
+    """The runtime(s) for this run: [main] or [main, autoregressive baseline], and the dtype the drafter's
+    GEMMs run in (None without a drafter)."""
     if backend == "trtllm":
         if engine_root is None:
             raise InputError("the TensorRT-LLM backend runs engine directories; build one with dflash-build "
@@ -185,9 +199,10 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
         runtime = TrtllmRuntime(engine_root)
         for warning in runtime.warnings:
             click.echo(f"note: {warning}", err=True)
-        return [runtime]
+        return [runtime], None
     from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
     from trtllm_dflash.models.drafter import load_drafter
+    from trtllm_dflash.models.linear import drafter_gemm_dtype
     from trtllm_dflash.models.target import GptOssTarget
     from trtllm_dflash.runtime.proposers import DFlashProposer, NGramProposer, SuffixDFlashProposer
     from trtllm_dflash.runtime.reference import ReferenceRuntime
@@ -199,18 +214,20 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
         from trtllm_dflash.models.drafter import DFlashConfig
 
         width = block_size or DFlashConfig.from_json(drafter_dir / "config.json").block_size
-        proposer = NGramProposer(num_drafts=width - 1)
+        proposer, gemm_dtype = NGramProposer(num_drafts=width - 1), None
     else:
         drafter = load_drafter(drafter_dir, torch_device, torch_dtype)
-        policy = adaptive_policy(target, drafter, block_size, batch_size) if draft_length == "adaptive" else None
-        if draft_method == "dflash-sa":
-            proposer = SuffixDFlashProposer(DFlashProposer(drafter, target, block_size), sa_threshold, policy=policy)
-        else:
-            proposer = DFlashProposer(drafter, target, block_size, policy=policy)
+        matmul_dtype = drafter_gemm_dtype(drafter_gemm, torch_dtype, torch_device)
+        gemm_dtype = matmul_dtype or torch_dtype
+        policy = (adaptive_policy(target, drafter, block_size, batch_size, matmul_dtype)
+                  if draft_length == "adaptive" else None)
+        dflash = DFlashProposer(drafter, target, block_size, matmul_dtype=matmul_dtype,
+                                policy=None if draft_method == "dflash-sa" else policy)
+        proposer = SuffixDFlashProposer(dflash, sa_threshold, policy=policy) if draft_method == "dflash-sa" else dflash
     runtimes = [ReferenceRuntime(target, proposer, draft_len_schedule=schedule)]
     if with_baseline:
         runtimes.append(ReferenceRuntime(target, None))
-    return runtimes
+    return runtimes, gemm_dtype
 
 
 def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int, stream: StreamPrinter | None):
@@ -278,6 +295,11 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
                    "per second of step, from step costs measured at start-up (seconds) and the acceptance seen so far; "
                    "fixed: always the block's [default: adaptive for dflash / dflash-sa on the reference backend, else "
                    "fixed].")
+@click.option("--drafter-gemm-dtype", "drafter_gemm", type=click.Choice(["auto", "float32", "bfloat16"]),
+              help="dtype of the drafter step's GEMMs (weights and inputs; norms, attention and the residual stream "
+                   "keep --dtype). Drafts need not be exact: the target verifies them. auto: bfloat16 for a float32 "
+                   "drafter where bf16 GEMMs are native (CUDA, or a CPU with AVX512-BF16 through oneDNN), else "
+                   "--dtype [default: auto; reference backend, dflash and dflash-sa only].")
 @click.option("--backend", type=click.Choice(["auto", "trtllm", "reference"]), default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (reference backend).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
@@ -294,8 +316,8 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
 @click.option("--verify", is_flag=True, help="Check every file of ENGINE_DIR against its sha256 first.")
 @clean_errors
 def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, max_tokens, temperature, top_p,
-         top_k, seed, batch_size, block_size, draft_method, sa_threshold, draft_length, backend, device, dtype, baseline,
-         repeats, threads, as_json, output, stats_file, no_stream, verify):
+         top_k, seed, batch_size, block_size, draft_method, sa_threshold, draft_length, drafter_gemm, backend, device,
+         dtype, baseline, repeats, threads, as_json, output, stats_file, no_stream, verify):
     """Run the DFlash draft-verify loop on ENGINE_DIR (or --target/--drafter, or the embedded default)."""
     from trtllm_dflash.checkpoints.gpt_oss import stop_token_ids
     from trtllm_dflash.checkpoints.validate import validate_pair
@@ -348,8 +370,10 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     click.echo(f"backend: {chosen} ({reason})", err=True)
     method, sa_threshold = resolve_draft_method(draft_method, sa_threshold, chosen, engine)
     draft_length = resolve_draft_length(draft_length, method, chosen)
-    runtimes = build_runtime(chosen, engine.root if engine else None, target_dir, drafter_dir, method, sa_threshold,
-                             block_size, schedule, device, dtype, baseline, draft_length, batch_size)
+    check_drafter_gemm(drafter_gemm, method, chosen)
+    runtimes, gemm_dtype = build_runtime(chosen, engine.root if engine else None, target_dir, drafter_dir, method,
+                                         sa_threshold, block_size, schedule, device, dtype, baseline, draft_length,
+                                         batch_size, drafter_gemm or "auto")
     for runtime in runtimes:
         if hasattr(runtime, "warm_up"):
             runtime.warm_up(prompt_ids[0])
@@ -367,7 +391,9 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
                            None if base_runs is None else [run[i] for run in base_runs])
                for i, p in enumerate(prompts[: len(results)])]
     summary = summary_record(results, spec_runs, base_runs, batch_size, method=method, sa_threshold=sa_threshold,
-                             draft_length=draft_length, backend=chosen, threads=torch.get_num_threads(), repeats=repeats)
+                             draft_length=draft_length,
+                             drafter_gemm_dtype=None if gemm_dtype is None else str(gemm_dtype).removeprefix("torch."),
+                             backend=chosen, threads=torch.get_num_threads(), repeats=repeats)
     if as_json:
         for record in [*records, summary]:
             click.echo(json.dumps(record))

@@ -105,6 +105,9 @@ def test_spread_wider_than_the_effect_is_a_warning():
                                          (["--sa-threshold", 3, "--draft-method", "dflash"], "--sa-threshold"),
                                          (["--draft-length", "adaptive", "--draft-method", "ngram"], "--draft-length"),
                                          (["--draft-length", "sometimes"], "--draft-length"),
+                                         (["--drafter-gemm-dtype", "bfloat16", "--draft-method", "ngram"],
+                                          "--drafter-gemm-dtype"),
+                                         (["--drafter-gemm-dtype", "int8"], "--drafter-gemm-dtype"),
                                          (["--sa-threshold", 3, "--draft-method", "ngram"], "--sa-threshold"),
                                          (["--repeats", 3], "--repeats")])
 def test_bad_speed_and_hybrid_options(tiny_pair, args, option):
@@ -125,6 +128,29 @@ def test_adaptive_draft_length_is_lossless_and_reported(tiny_pair, method):
     assert all(record["matches_baseline"] for record in records)
     assert summary["draft_length"] == "adaptive" and summary["method"] == method
     assert "adaptive draft length: step costs at batch 2" in result.stderr
+
+
+@pytest.mark.parametrize("choice,expected", [("float32", "float32"), ("bfloat16", "bfloat16")])
+def test_drafter_gemm_dtype_is_lossless_and_reported(tiny_pair, choice, expected):
+    target, drafter = tiny_pair
+    result = invoke("--target", target, "--drafter", drafter, "--prompt", "abcabcabc", "--max-tokens", 12,
+                    "--baseline", "--repeats", 1, "--json", "--draft-method", "dflash", "--drafter-gemm-dtype", choice)
+    assert result.exit_code == 0, result.output
+    records, summary = json_lines(result)
+    assert all(record["matches_baseline"] for record in records)
+    assert summary["drafter_gemm_dtype"] == expected
+
+
+def test_drafter_gemm_dtype_needs_our_drafter():
+    from trtllm_dflash.cli.run import check_drafter_gemm
+    from trtllm_dflash.errors import InputError
+
+    check_drafter_gemm(None, "ngram", "trtllm")  # not given: nothing to refuse
+    check_drafter_gemm("bfloat16", "dflash", "reference")
+    for method, backend in (("dflash", "trtllm"), ("ngram", "reference")):
+        with pytest.raises(InputError) as raised:
+            check_drafter_gemm("bfloat16", method, backend)
+        assert raised.value.field == "--drafter-gemm-dtype"
 
 
 def test_draft_length_defaults_and_refusals():

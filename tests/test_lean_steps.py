@@ -163,9 +163,10 @@ def test_inference_weights_follow_parameter_updates():
     rebuilt = drafter.inference_weights()
     assert rebuilt is not first
     fresh = InferenceWeights.build(drafter)
-    assert torch.equal(rebuilt.qkv[0], fresh.qkv[0]) and torch.equal(rebuilt.context_kv, fresh.context_kv)
+    assert torch.equal(rebuilt.qkv[0].weight, fresh.qkv[0].weight)
+    assert torch.equal(rebuilt.context_kv.weight, fresh.context_kv.weight)
     drafter.to(torch.float64)
-    assert drafter.inference_weights().gate_up[0].dtype == torch.float64
+    assert drafter.inference_weights().gate_up[0].weight.dtype == torch.float64
 
 
 def test_hooked_projections_are_called_and_give_the_same_outputs(drafter):
@@ -187,7 +188,8 @@ def test_hooked_projections_are_called_and_give_the_same_outputs(drafter):
     lean = outputs()
     seen = set()
     watched = {"q": hf.model.layers[0].self_attn.q_proj, "experts": hf.model.layers[1].mlp.experts,
-               "draft_k": drafter.layers[0].self_attn.k_proj, "draft_up": drafter.layers[1].mlp.up_proj}
+               "draft_k": drafter.layers[0].self_attn.k_proj, "draft_up": drafter.layers[1].mlp.up_proj,
+               "draft_fc": drafter.fc, "draft_down": drafter.layers[0].mlp.down_proj}
     handles = [m.register_forward_pre_hook(lambda m, args, name=name: seen.add(name)) for name, m in watched.items()]
     try:
         hooked_outputs = outputs()

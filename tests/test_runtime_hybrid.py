@@ -314,17 +314,28 @@ def test_the_hybrid_refuses_a_policy_on_its_dflash_proposer(random_pair):
         SuffixDFlashProposer(DFlashProposer(drafter, target, policy=policy), 2, policy=policy)
 
 
-def test_a_bfloat16_draft_head_stays_token_identical_and_close(random_pair):
-    """The draft logits from a bf16 copy of the LM head differ from the fp32 ones only by bf16
-    rounding, and DFlash and the hybrid with it stay token-identical to generate."""
+def test_bfloat16_drafter_gemms_stay_token_identical_and_close(random_pair):
+    """With the drafter step's GEMMs in bf16 (`matmul_dtype`), its hidden states and draft logits differ
+    from the float32 ones by bf16 rounding only, and DFlash and the hybrid stay token-identical to generate."""
     target, drafter, prompts, expected = random_pair
     params = SamplingParams(max_tokens=24)
-    fast = DFlashProposer(drafter, target, head_dtype=torch.bfloat16)
-    for proposer in (fast, SuffixDFlashProposer(DFlashProposer(drafter, target, head_dtype=torch.bfloat16), 2)):
+    fast = DFlashProposer(drafter, target, matmul_dtype=torch.bfloat16)
+    for proposer in (fast, SuffixDFlashProposer(DFlashProposer(drafter, target, matmul_dtype=torch.bfloat16), 2)):
         results = ReferenceRuntime(target, proposer).generate(prompts, params, batch_size=3)
         assert [r.output_token_ids for r in results] == expected
-    hidden = torch.randn(2, 3, target.hidden_size)
-    exact = DFlashProposer(drafter, target).draft_logits(hidden)
-    rounded = fast.draft_logits(hidden)
+    cfg = drafter.config
+    features = torch.randn(2, 9, len(cfg.target_layer_ids) * cfg.hidden_size)
+    block = torch.randn(2, cfg.block_size, cfg.hidden_size)
+    positions = 9 + torch.arange(cfg.block_size).expand(2, -1)
+    hidden = {}
+    for dtype in (None, torch.bfloat16):
+        cache = drafter.new_cache(2, 9 + cfg.block_size)
+        drafter.write_context(features, torch.arange(9).expand(2, -1), cache, dtype)
+        hidden[dtype] = drafter(block, positions, cache, torch.tensor([9, 9]), dtype)
+    assert hidden[torch.bfloat16].dtype == torch.float32
+    assert not torch.equal(hidden[torch.bfloat16], hidden[None])
+    torch.testing.assert_close(hidden[torch.bfloat16], hidden[None], rtol=0.05, atol=0.05)
+    exact = DFlashProposer(drafter, target).draft_logits(hidden[None])
+    rounded = fast.draft_logits(hidden[None])
     assert rounded.dtype == torch.float32 and rounded.shape == exact.shape
     assert not torch.equal(rounded, exact) and torch.allclose(rounded, exact, rtol=0.05, atol=0.05)

@@ -103,15 +103,16 @@ def test_hybrid_samples_follow_target_distribution(pair):
 
 
 @pytest.mark.parametrize("neural_costs", [[1.0, 1.1, 1.2, 1.3], [1.0, 2.0, 2.1, 2.2]])
-def test_adaptive_draft_length_with_a_bf16_head_samples_follow_target_distribution(pair, neural_costs):
+def test_adaptive_draft_length_with_bf16_drafter_gemms_samples_follow_target_distribution(pair, neural_costs):
     """dflash-sa at T=0.7 with a K chosen per step from past acceptance and the draft distribution q
-    from a bf16 LM head: still the target's distribution. Where drafting rarely pays (second cost
-    table) the policy takes steps without drafts (K = 0) between its drafts."""
+    from a drafter whose GEMMs (LM head included) run in bf16: still the target's distribution. Where
+    drafting rarely pays (second cost table) the policy takes steps without drafts (K = 0) between its
+    drafts."""
     hf, target, drafter = pair
     def params(seed):
         return SamplingParams(max_tokens=3, temperature=0.7, seed=seed)
     policy = AdaptiveDraftLength({"neural": neural_costs, "suffix": [1.0, 1.1, 1.2, 1.3]})
-    hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target, head_dtype=torch.bfloat16), threshold=1, policy=policy)
+    hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target, matmul_dtype=torch.bfloat16), threshold=1, policy=policy)
     counts, histogram, _ = speculative_counts(target, drafter, params, hybrid)
     if neural_costs[1] >= 2:
         assert 0 in policy.chosen["neural"] and any(policy.chosen["neural"])

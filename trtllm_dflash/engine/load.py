@@ -10,6 +10,7 @@ import torch
 
 from ..checkpoints.gpt_oss import load_hf_gpt_oss
 from ..models.drafter import load_drafter
+from ..models.linear import drafter_gemm_dtype
 from ..models.target import GptOssTarget
 from ..runtime.interface import Runtime, choose_backend
 from ..runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer, SuffixDFlashProposer
@@ -30,12 +31,14 @@ def engine_speculation(engine: Engine) -> tuple[int | None, dict[int, int] | Non
 def reference_runtime(engine: Engine, device: torch.device, dtype: torch.dtype,
                       with_drafter: bool = True) -> ReferenceRuntime:
     """DFlash with suffix-automaton drafts (dflash-sa, the engine's threshold) and the engine's
-    max_draft_len and schedule (or the autoregressive baseline)."""
+    max_draft_len and schedule (or the autoregressive baseline); the drafter's GEMMs as `dflash-run`'s
+    --drafter-gemm-dtype auto."""
     target = GptOssTarget(load_hf_gpt_oss(engine.target_dir, device, dtype))
     if not with_drafter:
         return ReferenceRuntime(target, None)
     block, schedule = engine_speculation(engine)
-    dflash = DFlashProposer(load_drafter(engine.drafter_dir, device, dtype), target, block)
+    dflash = DFlashProposer(load_drafter(engine.drafter_dir, device, dtype), target, block,
+                            matmul_dtype=drafter_gemm_dtype("auto", dtype, device))
     proposer = SuffixDFlashProposer(dflash, engine.sa_threshold or DEFAULT_SA_THRESHOLD)
     return ReferenceRuntime(target, proposer, draft_len_schedule=schedule)
 

@@ -32,6 +32,7 @@ from ..errors import InputError
 from ..plugins.draft_block.reference import context_visibility
 from ..quant.recipes import is_gpt_oss
 from .kv_cache import KVArena
+from .linear import CastLinear
 from .rope import Rotary, apply_rotary, rotate
 from .target import attention_bias, fused_attention, hooked, sink_attention
 
@@ -246,31 +247,40 @@ def cat_or_none(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if tensors[0] is None else torch.cat([t.detach() for t in tensors])
 
 
+def linear_of(modules: list[nn.Linear], dtype: torch.dtype) -> CastLinear:
+    """One GEMM for these projections of the same input, stacked along the output."""
+    return CastLinear(cat_or_none([m.weight for m in modules]), cat_or_none([m.bias for m in modules]), dtype)
+
+
 @dataclass
 class InferenceWeights:
-    """What the inference path multiplies, fused from the modules' parameters (copies)."""
+    """What the inference path multiplies: every GEMM in `dtype` (`CastLinear`), fused from the modules'
+    parameters (copies), and the norm weights the fused path applies itself."""
 
-    context_kv: torch.Tensor  # [layers * 2 * Hkv * D, H]: every layer's k then v projection, stacked
-    context_kv_bias: torch.Tensor | None
+    fc: CastLinear
+    context_kv: CastLinear  # every layer's k then v projection, stacked: [layers * 2 * Hkv * D] outputs
     context_k_norm: torch.Tensor  # [layers, 1, D]: each layer's k_norm weight
-    qkv: list[torch.Tensor]  # per layer [(Hq + 2 Hkv) * D, H]
-    qkv_bias: list[torch.Tensor | None]
+    qkv: list[CastLinear]  # per layer [(Hq + 2 Hkv) * D] outputs
     qk_norm: list[torch.Tensor]  # per layer [Hq + Hkv, D]: q_norm per query head, then k_norm per KV head
-    gate_up: list[torch.Tensor]  # per layer [2 I, H]
+    o_proj: list[CastLinear]
+    gate_up: list[CastLinear]  # per layer [2 I] outputs
+    down_proj: list[CastLinear]
 
     @classmethod
-    def build(cls, drafter: "DFlashDrafter") -> "InferenceWeights":
-        cfg = drafter.config
+    def build(cls, drafter: "DFlashDrafter", dtype: torch.dtype | None = None) -> "InferenceWeights":
+        cfg, dtype = drafter.config, dtype or drafter.dtype
         attns = [layer.self_attn for layer in drafter.layers]
-        kv = [p for a in attns for p in (a.k_proj, a.v_proj)]
+        mlps = [layer.mlp for layer in drafter.layers]
         return cls(
-            context_kv=cat_or_none([p.weight for p in kv]), context_kv_bias=cat_or_none([p.bias for p in kv]),
+            fc=linear_of([drafter.fc], dtype),
+            context_kv=linear_of([p for a in attns for p in (a.k_proj, a.v_proj)], dtype),
             context_k_norm=torch.stack([a.k_norm.weight.detach() for a in attns])[:, None],
-            qkv=[cat_or_none([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) for a in attns],
-            qkv_bias=[cat_or_none([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) for a in attns],
+            qkv=[linear_of([a.q_proj, a.k_proj, a.v_proj], dtype) for a in attns],
             qk_norm=[torch.cat([a.q_norm.weight.detach().expand(cfg.num_attention_heads, -1),
                                 a.k_norm.weight.detach().expand(cfg.num_key_value_heads, -1)]) for a in attns],
-            gate_up=[cat_or_none([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]) for layer in drafter.layers],
+            o_proj=[linear_of([a.o_proj], dtype) for a in attns],
+            gate_up=[linear_of([m.gate_proj, m.up_proj], dtype) for m in mlps],
+            down_proj=[linear_of([m.down_proj], dtype) for m in mlps],
         )
 
 
@@ -294,17 +304,22 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(cfg.rope_config())
         self.scale = cfg.head_dim ** -0.5
         self.use_plugin = False  # True: block attention through the draft-block plugin's custom op
-        self._fused: tuple[list, list, InferenceWeights] | None = None  # (parameters, their key, weights)
+        self._fused: tuple[list, list, dict] | None = None  # (parameters, their key, weights per GEMM dtype)
+        self._linears: tuple[nn.Linear, ...] | None = None  # the projections the fused path bypasses
 
-    def inference_weights(self) -> InferenceWeights:
-        """The fused weights, rebuilt when a parameter's data was replaced (`.to()`) or updated in place
-        (an optimizer step, `load_state_dict`): each parameter's storage and version counter are
-        compared with those the copies were made from. (Assigning new Parameter objects is not seen.)"""
+    def inference_weights(self, matmul_dtype: torch.dtype | None = None) -> InferenceWeights:
+        """The fused weights with GEMMs in `matmul_dtype` (None: the parameters' dtype), rebuilt when a
+        parameter's data was replaced (`.to()`) or updated in place (an optimizer step,
+        `load_state_dict`): each parameter's storage and version counter are compared with those the
+        copies were made from. (Assigning new Parameter objects is not seen.)"""
         params = list(self.parameters()) if self._fused is None else self._fused[0]
         key = [(p.data_ptr(), p._version) for p in params]
         if self._fused is None or self._fused[1] != key:
-            self._fused = (params, key, InferenceWeights.build(self))
-        return self._fused[2]
+            self._fused = (params, key, {})
+        dtype = matmul_dtype or self.dtype
+        if dtype not in self._fused[2]:
+            self._fused[2][dtype] = InferenceWeights.build(self, dtype)
+        return self._fused[2][dtype]
 
     def plugin_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: torch.Tensor,
                          ctx_v: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
@@ -347,9 +362,9 @@ class DFlashDrafter(nn.Module):
 
     def bypassed_modules_hooked(self) -> bool:
         """A forward hook on a projection the fused weights bypass (calibration records their inputs)."""
-        return hooked(*(m for layer in self.layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
-                                                             layer.self_attn.v_proj, layer.mlp.gate_proj,
-                                                             layer.mlp.up_proj)))
+        if self._linears is None:  # walking the module tree each step cost ~50 us
+            self._linears = (self.fc, *(m for layer in self.layers for m in layer.modules() if isinstance(m, nn.Linear)))
+        return hooked(*self._linears)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -361,22 +376,26 @@ class DFlashDrafter(nn.Module):
                        self.dtype, self.fc.weight.device)
 
     @torch.inference_mode()
-    def write_context(self, features: torch.Tensor, positions: torch.Tensor, cache: KVArena) -> None:
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor, cache: KVArena,
+                      matmul_dtype: torch.dtype | None = None) -> None:
         """Project target features [b, n, F] of committed tokens at `positions` [b, n] into every
         layer's context K/V. Done once per committed token; never recomputed. All layers at once:
-        fc -> hidden_norm -> one GEMM over the stacked k/v weights -> each layer's k_norm -> RoPE."""
+        fc -> hidden_norm -> one GEMM over the stacked k/v weights -> each layer's k_norm -> RoPE.
+        `matmul_dtype`: the GEMMs' dtype (`CastLinear`; None: the parameters')."""
         cfg = self.config
-        fused = self.hidden_norm(self.fc(features.to(self.dtype)))
-        cos, sin = self.rotary(positions, fused.dtype)
+        features = features.to(self.dtype)
         if self.bypassed_modules_hooked():
+            fused = self.hidden_norm(self.fc(features))
+            cos, sin = self.rotary(positions, fused.dtype)
             for i, layer in enumerate(self.layers):
                 k, v = layer.self_attn.keys_values(fused, cos, sin)
                 cache.write(i, positions, k.transpose(1, 2), v.transpose(1, 2))
             return
-        w = self.inference_weights()
+        w = self.inference_weights(matmul_dtype)
+        fused = self.hidden_norm(w.fc(features))
+        cos, sin = self.rotary(positions, fused.dtype)
         b, n, _ = fused.shape
-        kv = F.linear(fused, w.context_kv, w.context_kv_bias).view(b, n, cfg.num_hidden_layers, 2,
-                                                                   cfg.num_key_value_heads, cfg.head_dim)
+        kv = w.context_kv(fused).view(b, n, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim)
         k = rotate(normalized(kv[:, :, :, 0], cfg.rms_norm_eps) * w.context_k_norm, cos[:, :, None, None],
                    sin[:, :, None, None])
         cache.write_all(positions, k, kv[:, :, :, 1])
@@ -393,9 +412,10 @@ class DFlashDrafter(nn.Module):
 
     @torch.inference_mode()
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, cache: KVArena,
-                context_lens: torch.Tensor) -> torch.Tensor:
+                context_lens: torch.Tensor, matmul_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Draft one block per request: embeds [b, B, H] at positions [b, B]; request i sees its
         context positions [0, context_lens[i]). Returns the final-normed hidden states [b, B, H].
+        `matmul_dtype`: the GEMMs' dtype (`CastLinear`; None: the parameters').
 
         The block's K/V go to arena slots [context_lens[i], context_lens[i] + B) (the cache must have
         room for them), which hold no context: the next `write_context` overwrites them."""
@@ -408,16 +428,16 @@ class DFlashDrafter(nn.Module):
         if self.bypassed_modules_hooked():
             return self.run_layers(x, cos, sin, lambda i, q, k, v: self.block_attention(
                 i, q, k.transpose(1, 2), v.transpose(1, 2), cache, context_lens, visible))
-        w = self.inference_weights()
+        w = self.inference_weights(matmul_dtype)
         cos, sin = cos[:, :, None], sin[:, :, None]
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(layer.input_layernorm(x), w.qkv[i], w.qkv_bias[i]).view(b, width, -1, cfg.head_dim)
+            qkv = w.qkv[i](layer.input_layernorm(x)).view(b, width, -1, cfg.head_dim)
             qk = rotate(normalized(qkv[:, :, : hq + hkv], cfg.rms_norm_eps) * w.qk_norm[i], cos, sin)
             attended = self.block_attention(i, qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:], qkv[:, :, hq + hkv:],
                                             cache, context_lens, visible)
-            x = x + layer.self_attn.o_proj(attended)
-            gate, up = F.linear(layer.post_attention_layernorm(x), w.gate_up[i]).chunk(2, dim=-1)
-            x = x + layer.mlp.down_proj(F.silu(gate) * up)
+            x = x + w.o_proj[i](attended)
+            gate, up = w.gate_up[i](layer.post_attention_layernorm(x)).chunk(2, dim=-1)
+            x = x + w.down_proj[i](F.silu(gate) * up)
         return self.norm(x)
 
     def forward_train(self, features: torch.Tensor, context_positions: torch.Tensor, block_embeds: torch.Tensor,

@@ -180,6 +180,13 @@ class GptOssTarget(nn.Module):
             experts = layer.mlp.experts
             self.register_buffer(f"gate_up_{i}", compact_copy(experts.gate_up_proj), persistent=False)
             self.register_buffer(f"down_{i}", compact_copy(experts.down_proj), persistent=False)
+        head = hf_model.lm_head.weight.detach()
+        # For a block of rows (a verify, draft logits) oneDNN's prepacked GEMM reads the 4096 x 256 head in
+        # half MKL's time on this project's CPU; for one row (an AR step) MKL's GEMV is the faster. The op
+        # has no autograd: training (gradients through the head into the drafter) takes F.linear.
+        self.packed_head = (torch.ops.mkldnn._reorder_linear_weight(head)
+                            if head.device.type == "cpu" and head.dtype == torch.float32
+                            and torch.backends.mkldnn.is_available() else None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -212,7 +219,12 @@ class GptOssTarget(nn.Module):
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits from a hidden state that is already final-normed (the drafter's output is). As one
         2-D GEMM: a 3-D (or sliced) input sends F.linear to a batched matmul, several times slower."""
-        logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), self.hf.lm_head.weight, self.hf.lm_head.bias)
+        flat, head = hidden.reshape(-1, hidden.shape[-1]), self.hf.lm_head
+        if (self.packed_head is not None and len(flat) > 1 and not flat.requires_grad and flat.device.type == "cpu"
+                and flat.dtype == torch.float32):
+            logits = torch.ops.mkldnn._linear_pointwise(flat, self.packed_head, head.bias, "none", [], "")
+        else:
+            logits = F.linear(flat, head.weight, head.bias)
         return logits.view(*hidden.shape[:-1], -1).float()
 
     def attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,

@@ -15,6 +15,7 @@ import torch
 
 from ..errors import InputError
 from ..models.drafter import DFlashDrafter
+from ..models.linear import CastLinear
 from ..models.target import GptOssTarget
 from .accept import sample_from_probs
 from .draft_length import AdaptiveDraftLength
@@ -53,21 +54,21 @@ class DFlashProposer:
     request (s = anchor position); the anchor reaches the drafter only through its embedding;
     `commit` queues the verify features of the anchor and the accepted drafts for the next call.
     With a `policy` (`AdaptiveDraftLength`) each step drafts the K it chooses (at most the loop's).
-    With `head_dtype` (e.g. bfloat16) the draft logits come from a copy of the target's LM head in
-    that dtype: on a small model that 4 MB GEMM is the largest of the drafter step, and drafts need
-    not be exact (the target verifies them; sampled drafts carry the q they were drawn from).
+    With `matmul_dtype` (e.g. bfloat16) every GEMM of the drafter step -- the context projection,
+    the layers and the draft logits from a copy of the target's LM head -- runs in that dtype
+    (`CastLinear`), the rest in the drafter's own: drafts need not be exact (the target verifies them;
+    sampled drafts carry the q they were drawn from), and a step of a small drafter is bound by
+    reading its weights, the LM head's 4 MB above all.
     """
 
     needs_history = False
 
     def __init__(self, drafter: DFlashDrafter, target: GptOssTarget, block_size: int | None = None,
-                 policy: AdaptiveDraftLength | None = None, head_dtype: torch.dtype | None = None):
+                 policy: AdaptiveDraftLength | None = None, matmul_dtype: torch.dtype | None = None):
         cfg = drafter.config
-        self.drafter, self.target, self.policy = drafter, target, policy
-        self.head = None  # (weight, bias) of the draft LM head copy
-        if head_dtype is not None:
-            head = target.hf.lm_head
-            self.head = (head.weight.detach().to(head_dtype), None if head.bias is None else head.bias.detach().to(head_dtype))
+        self.drafter, self.target, self.policy, self.matmul_dtype = drafter, target, policy, matmul_dtype
+        self.head = None if matmul_dtype is None else CastLinear(target.hf.lm_head.weight, target.hf.lm_head.bias,
+                                                                 matmul_dtype)
         self.block_size = block_size or cfg.block_size
         self.num_drafts = self.block_size - 1
         self.feature_layers = list(cfg.target_layer_ids)
@@ -89,7 +90,7 @@ class DFlashProposer:
         # A row's entries past its own pending length are padding: they land past its context, where
         # nothing reads them before they are overwritten; the clamp keeps them inside the arena.
         positions = (self.context_lens[:, None] + self.columns[: self.pending.shape[1]]).clamp_(max=self.cache.capacity - 1)
-        self.drafter.write_context(self.pending, positions, self.cache)
+        self.drafter.write_context(self.pending, positions, self.cache, self.matmul_dtype)
         self.context_lens += self.pending_lens
         self.pending, self.pending_lens = self.pending[:, :0], self.pending_lens.zero_()
 
@@ -103,7 +104,7 @@ class DFlashProposer:
         block = self.block[:, :width]
         block[:, 0] = anchors
         positions = anchor_positions[:, None] + self.columns[:width]
-        hidden = self.drafter(self.target.embed(block), positions, self.cache, self.context_lens)
+        hidden = self.drafter(self.target.embed(block), positions, self.cache, self.context_lens, self.matmul_dtype)
         logits = self.draft_logits(hidden[:, 1:])
         if params.greedy:
             return logits.argmax(dim=-1), None
@@ -115,9 +116,7 @@ class DFlashProposer:
         """Float logits [b, K, V] of the drafter's final-normed hidden states [b, K, H]."""
         if self.head is None:
             return self.target.lm_head(hidden.to(self.target.dtype))
-        weight, bias = self.head
-        logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype), weight, bias)
-        return logits.view(*hidden.shape[:-1], -1).float()
+        return self.head(hidden).float()
 
     def commit(self, features, num_accepted):
         """Queue the committed positions' features; usually the queue is empty (one step's worth),

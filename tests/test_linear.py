@@ -1,0 +1,74 @@
+"""`CastLinear` (the drafter's GEMMs in another dtype), how `--drafter-gemm-dtype` resolves, and the
+target's LM head on blocks of rows (oneDNN's prepacked GEMM) against the plain float32 GEMM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from trtllm_dflash.models import linear
+from trtllm_dflash.models.linear import CastLinear, drafter_gemm_dtype
+from trtllm_dflash.models.random_pair import random_target, tiny_target_config
+from trtllm_dflash.models.target import GptOssTarget
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("shape", [(5,), (1, 64), (3, 7, 64), (2, 1, 8, 64)])
+def test_cast_linear_is_a_rounded_linear_in_the_input_dtype(shape, with_bias):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 64, generator=gen) if len(shape) > 1 else torch.randn(48, 5, generator=gen)
+    bias = torch.randn(48, generator=gen) if with_bias else None
+    x = torch.randn(shape, generator=gen)
+    got = CastLinear(weight, bias, torch.bfloat16)(x)
+    exact = F.linear(x, weight, bias)
+    assert got.dtype == torch.float32 and got.shape == exact.shape
+    torch.testing.assert_close(got, exact, rtol=0.03, atol=0.05 * float(exact.abs().max()))
+    # the same dtype in and out: the plain GEMM, exactly
+    assert torch.equal(CastLinear(weight, bias, torch.float32)(x), F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+                       .view(exact.shape))
+
+
+def test_cast_linear_without_onednn_uses_a_bf16_weight_copy(monkeypatch):
+    """Where oneDNN cannot pack (CUDA, a CPU without native bf16) the GEMM is F.linear on the copy."""
+    monkeypatch.setattr(linear, "onednn_packs", lambda dtype, device: False)
+    weight, x = torch.randn(16, 8), torch.randn(3, 8)
+    layer = CastLinear(weight, None, torch.bfloat16)
+    assert not layer.packed and layer.weight.dtype == torch.bfloat16
+    assert torch.equal(layer(x), F.linear(x.bfloat16(), weight.bfloat16()).float())
+
+
+def test_drafter_gemm_dtype_resolution(monkeypatch):
+    monkeypatch.setattr(linear, "native_bf16", lambda device: True)
+    assert drafter_gemm_dtype("auto", torch.float32, CPU) == torch.bfloat16
+    assert drafter_gemm_dtype("auto", torch.bfloat16, CPU) is None  # already bf16: nothing to cast
+    assert drafter_gemm_dtype("float32", torch.float32, CPU) is None
+    assert drafter_gemm_dtype("bfloat16", torch.float32, CPU) == torch.bfloat16
+    assert drafter_gemm_dtype("float32", torch.bfloat16, CPU) == torch.float32
+    monkeypatch.setattr(linear, "native_bf16", lambda device: False)
+    assert drafter_gemm_dtype("auto", torch.float32, CPU) is None  # emulated bf16 would be slower
+    assert drafter_gemm_dtype("bfloat16", torch.float32, CPU) == torch.bfloat16  # asked for: done
+
+
+def test_target_lm_head_on_a_block_matches_row_by_row():
+    """A verify block's logits (oneDNN's packed GEMM on CPU) equal each row's own (MKL's GEMV) to
+    float32 rounding."""
+    target = GptOssTarget(random_target(tiny_target_config(), seed=3).float())
+    hidden = torch.randn(2, 8, target.hidden_size)
+    block = target.lm_head(hidden)
+    rows = torch.stack([torch.stack([target.lm_head(hidden[b, t][None])[0] for t in range(8)]) for b in range(2)])
+    assert block.shape == (2, 8, target.vocab_size)
+    torch.testing.assert_close(block, rows, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(block, F.linear(hidden, target.hf.lm_head.weight, target.hf.lm_head.bias),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_target_lm_head_keeps_gradients_for_training():
+    """Training backpropagates through the (frozen) head into the drafter: the packed op, which has
+    no autograd, must not serve inputs that need gradients."""
+    target = GptOssTarget(random_target(tiny_target_config(), seed=3).float())
+    hidden = torch.randn(3, 5, target.hidden_size, requires_grad=True)
+    target.lm_head(hidden).logsumexp(-1).sum().backward()
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0
