@@ -171,9 +171,10 @@ def test_text_prompts_file_and_human_report(tiny_pair, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first prompt\nsecond prompt\n")
     result = invoke("--target", target, "--drafter", drafter, "--prompts-file", prompts, "--max-tokens", 6,
-                    "--temperature", 0.8, "--top-p", 0.9, "--block-size", 3)
+                    "--temperature", 0.8, "--top-p", 0.9, "--block-size", 3, "--drafter-gemm-dtype", "bfloat16")
     assert result.exit_code == 0, result.output
     assert "acceptance length" in result.output and "second prompt" in result.output
+    assert "drafter GEMMs" in result.output and "bfloat16" in result.output
 
 
 def copy_pair(tiny_pair, tmp_path):

@@ -107,6 +107,8 @@ def print_report(records: list[dict], summary: dict, results: list[GenerationRes
         table.add_row("steps without drafts", f"{summary['draftless_steps']}/{total.steps}")
     table.add_row("per-position acceptance", acceptance_bars(total.per_position_acceptance))
     table.add_row("threads", str(summary["threads"]))
+    if summary.get("drafter_gemm_dtype"):
+        table.add_row("drafter GEMMs", summary["drafter_gemm_dtype"])
     if "baseline_decode_tokens_per_s" in summary:
         table.add_row("baseline decode tokens/s", f"{summary['baseline_decode_tokens_per_s']:.1f}")
         if "speedup" in summary:
