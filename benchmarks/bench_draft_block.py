@@ -150,7 +150,7 @@ def bench(batch: int, context: int, do_bench, eager_bench, tuned) -> dict:
 
 def drafter_config(layers: int = 8):
     """gpt-oss-120b DFlash drafter shapes (../shared/reference/dflash-algorithm.md)."""
-    from trtllm_dflash.models.drafter import DFlashConfig
+    from trtllm_dflash.models.drafter_config import DFlashConfig
 
     return DFlashConfig(hidden_size=2880, num_hidden_layers=layers, num_attention_heads=64, num_key_value_heads=8,
                         head_dim=64, intermediate_size=7680, block_size=BLOCK, mask_token_id=200000,

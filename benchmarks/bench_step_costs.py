@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
-from trtllm_dflash.models.drafter import DFlashConfig, load_drafter
+from trtllm_dflash.models.drafter import load_drafter
+from trtllm_dflash.models.drafter_config import DFlashConfig
 from trtllm_dflash.models.linear import drafter_gemm_dtype
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.prompts import load_tokenizer, read_prompts_file

@@ -211,7 +211,7 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
     torch_dtype = resolve_dtype(dtype, torch_device)
     target = GptOssTarget(load_hf_gpt_oss(target_dir, torch_device, torch_dtype))
     if draft_method == "ngram":
-        from trtllm_dflash.models.drafter import DFlashConfig
+        from trtllm_dflash.models.drafter_config import DFlashConfig
 
         width = block_size or DFlashConfig.from_json(drafter_dir / "config.json").block_size
         proposer, gemm_dtype = NGramProposer(num_drafts=width - 1), None

@@ -10,7 +10,8 @@ import torch
 
 from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
 from trtllm_dflash.errors import InputError
-from trtllm_dflash.models.drafter import DFlashConfig, DFlashDrafter, load_drafter, save_drafter
+from trtllm_dflash.models.drafter import DFlashDrafter, load_drafter, save_drafter
+from trtllm_dflash.models.drafter_config import DFlashConfig
 from trtllm_dflash.models.random_pair import (drafter_config_for, random_drafter, save_random_target,
                                              tiny_target_config)
 from trtllm_dflash.models.target import GptOssTarget

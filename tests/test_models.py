@@ -13,7 +13,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3Rot
 from draft_block_cases import drafter_plain_and_plugin
 
 from trtllm_dflash.errors import InputError
-from trtllm_dflash.models.drafter import DFlashConfig, default_target_layer_ids, load_drafter, save_drafter
+from trtllm_dflash.models.drafter import load_drafter, save_drafter
+from trtllm_dflash.models.drafter_config import DFlashConfig, default_target_layer_ids
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
 

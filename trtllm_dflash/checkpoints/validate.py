@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-from ..models.drafter import DFlashConfig
+from ..models.drafter_config import DFlashConfig
 from .gpt_oss import check_weight_files, read_target_config
 from .safetensors_io import ShardedReader
 

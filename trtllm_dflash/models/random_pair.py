@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from transformers import GptOssConfig, GptOssForCausalLM
 
-from .drafter import DFlashConfig, DFlashDrafter, save_drafter
+from .drafter import DFlashDrafter, save_drafter
+from .drafter_config import DFlashConfig
 
 
 def tiny_target_config(vocab_size: int = 258, hidden_size: int = 64, num_layers: int = 4, heads: int = 4,

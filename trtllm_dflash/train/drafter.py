@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
-from ..models.drafter import DFlashConfig, DFlashDrafter, default_target_layer_ids, save_drafter
+from ..models.drafter import DFlashDrafter, save_drafter
+from ..models.drafter_config import DFlashConfig, default_target_layer_ids
 from ..models.target import GptOssTarget
 from ..plugins.draft_block.reference import context_visibility
 from ..runtime.proposers import DFlashProposer
