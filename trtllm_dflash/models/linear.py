@@ -18,8 +18,9 @@ from torch.nn import functional as F
 def onednn_packs(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether oneDNN's prepacked linear serves this dtype here: a CPU build with mkldnn, a CPU with
     native bf16 dot products (elsewhere oneDNN emulates bf16, slower than float32)."""
+    native = getattr(torch.cpu, "_is_avx512_bf16_supported", None)  # private in torch 2.13: absent means no
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.cpu._is_avx512_bf16_supported())
+            and native is not None and native())
 
 
 def native_bf16(device: torch.device) -> bool:
