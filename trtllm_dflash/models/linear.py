@@ -23,6 +23,16 @@ def onednn_packs(dtype: torch.dtype, device: torch.device) -> bool:
             and native is not None and native())
 
 
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """A CPU weight [out, in] reordered once into oneDNN's blocked layout, for `packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [n, in] @ W.T + b in x's dtype through oneDNN, W from `prepack`. No autograd."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def native_bf16(device: torch.device) -> bool:
     """Whether bf16 GEMMs are a speed-up on this device (CUDA, or a CPU that packs them for oneDNN)."""
     return device.type == "cuda" or onednn_packs(torch.bfloat16, device)
@@ -37,12 +47,12 @@ class CastLinear:
         weight = weight.detach().to(dtype)
         self.bias = None if bias is None else bias.detach().to(dtype)
         self.packed = onednn_packs(dtype, weight.device)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
+        self.weight = prepack(weight) if self.packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).to(self.dtype)  # 2-D: a 3-D input sends F.linear to a batched matmul
         if self.packed:
-            y = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
+            y = packed_linear(flat, self.weight, self.bias)
         else:
             y = F.linear(flat, self.weight, self.bias)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)

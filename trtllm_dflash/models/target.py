@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .kv_cache import KVArena
+from .linear import packed_linear, prepack
 from .rope import Rotary, rotate
 
 
@@ -184,8 +185,7 @@ class GptOssTarget(nn.Module):
         # For a block of rows (a verify, draft logits) oneDNN's prepacked GEMM reads the 4096 x 256 head in
         # half MKL's time on this project's CPU; for one row (an AR step) MKL's GEMV is the faster. The op
         # has no autograd: training (gradients through the head into the drafter) takes F.linear.
-        self.packed_head = (torch.ops.mkldnn._reorder_linear_weight(head)
-                            if head.device.type == "cpu" and head.dtype == torch.float32
+        self.packed_head = (prepack(head) if head.device.type == "cpu" and head.dtype == torch.float32
                             and torch.backends.mkldnn.is_available() else None)
 
     @property
@@ -222,7 +222,7 @@ class GptOssTarget(nn.Module):
         flat, head = hidden.reshape(-1, hidden.shape[-1]), self.hf.lm_head
         if (self.packed_head is not None and len(flat) > 1 and not flat.requires_grad and flat.device.type == "cpu"
                 and flat.dtype == torch.float32):
-            logits = torch.ops.mkldnn._linear_pointwise(flat, self.packed_head, head.bias, "none", [], "")
+            logits = packed_linear(flat, self.packed_head, head.bias)
         else:
             logits = F.linear(flat, head.weight, head.bias)
         return logits.view(*hidden.shape[:-1], -1).float()
