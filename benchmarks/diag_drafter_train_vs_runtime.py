@@ -6,7 +6,7 @@
 1. Greedy generation with the runtime's DFlashProposer on held-out prompts, recording every
    block's anchor position and the drafter logits the proposer produced.
 2. The same committed sequences (prompt + output) through the training forward
-   (`trtllm_dflash.train.drafter.drafter_block_logits`) with the recorded anchors: the block logits
+   (`trtllm_dflash.train.step.drafter_block_logits`) with the recorded anchors: the block logits
    must equal the runtime's (max |diff| printed), else training and inference disagree.
 3. Training-mode accuracy over EVERY response position as anchor: P(slots 1..k all correct),
    the quantity the runtime's per-position acceptance measures, next to the runtime's own.
@@ -28,7 +28,7 @@ from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
 from trtllm_dflash.runtime.accept import accepted_prefix_length
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.train.drafter import RecordingProposer, drafter_block_logits
+from trtllm_dflash.train.step import RecordingProposer, drafter_block_logits
 
 
 def block_verdicts(drafter, target, sequence: torch.Tensor, first: int) -> torch.Tensor:

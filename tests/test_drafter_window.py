@@ -18,7 +18,7 @@ from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.plugins.draft_block.reference import draft_block_attention_reference
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.train.drafter import RecordingProposer, drafter_block_logits
+from trtllm_dflash.train.step import RecordingProposer, drafter_block_logits
 
 
 def windowed(drafter: DFlashDrafter, window: int | None) -> DFlashDrafter:

@@ -57,7 +57,7 @@ def hf_convention_dflash(hf, drafter, prompt: list[int], max_tokens: int) -> tup
     next block's context features come from that verify pass. -> (output tokens, accepted per step)."""
     import torch
 
-    from trtllm_dflash.train.drafter import training_mask
+    from trtllm_dflash.train.step import training_mask
 
     cfg, b = drafter.config, drafter.config.block_size
 

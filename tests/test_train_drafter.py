@@ -19,8 +19,8 @@ from trtllm_dflash.runtime.proposers import DFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.train.anchors import mix_anchors, sample_anchors, walk_anchors
-from trtllm_dflash.train.drafter import (RecordingProposer, TrainConfig, block_inputs, drafter_block_logits, train,
-                                         training_mask)
+from trtllm_dflash.train.drafter import TrainConfig, train
+from trtllm_dflash.train.step import RecordingProposer, block_inputs, drafter_block_logits, training_mask
 
 
 def test_training_mask_follows_the_three_rules():
@@ -234,7 +234,7 @@ def test_replayed_walk_anchors_are_the_runtimes_anchors():
     from trtllm_dflash.embedded import heldout_prompts, pair_paths
     from trtllm_dflash.prompts import encode_prompts, load_tokenizer
     from trtllm_dflash.train.anchors import replay_walk
-    from trtllm_dflash.train.drafter import target_features
+    from trtllm_dflash.train.data import target_features
 
     target_dir, drafter_dir = pair_paths()
     target = GptOssTarget(load_hf_gpt_oss(target_dir))
