@@ -95,6 +95,18 @@ def test_long_contexts_match_a_float64_reference_and_the_kernel_reference(drafte
     torch.testing.assert_close(attend(small, 1, q, k, v, cache, lens), got, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 23, 22])
+def test_a_lone_request_needs_no_mask_until_its_window_cuts(drafter, window):
+    """Batch 1: no mask while every slot sees the whole context (19 + 4 slots <= window); once the
+    window cuts it, the mask is back. Either way the float64 reference holds."""
+    small = windowed(drafter, window)
+    cache, q, k, v, lens = block_inputs(small, [19], seed=4)
+    visible = small.block_mask(lens, q.shape[2], q.dtype)
+    assert visible.length == 23 and (visible.mask is None) == (window != 22)
+    expected = windowed_attention_float64(q, k, v, cache.k[0], cache.v[0], lens, window or 10**6, small.scale)
+    torch.testing.assert_close(attend(small, 0, q, k, v, cache, lens).double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_training_forward_gives_the_windowed_runtime_logits(tmp_path):
     """Contexts run well past the window: the training mask's window is the runtime's, slot by slot."""
     config = tiny_target_config()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -146,6 +147,14 @@ def block_visibility(context_lens: torch.Tensor, width: int, length: int, window
     return context_visibility(context_lens, width, length, window) | block[:, None]
 
 
+class BlockMask(NamedTuple):
+    """What a step's block attention reads: arena slots [0, length), of which `mask` says who sees what
+    (`block_visibility`, or on CPU its additive form); None when every slot sees all of them."""
+
+    length: int
+    mask: torch.Tensor | None
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
@@ -189,29 +198,32 @@ class DFlashDrafter(nn.Module):
         return out.reshape(b, width, hq * d)
 
     def block_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVArena,
-                        context_lens: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+                        context_lens: torch.Tensor, visible: BlockMask) -> torch.Tensor:
         """Block queries q [b, Hq, B, D] over the request's context and the block's own k/v [b, B, Hkv, D]
         -> [b, B, Hq*D]. The plain path writes k/v to the arena slots just past the context and reads
-        both from there under `visible` (`attention_bias` form on CPU, `block_visibility` elsewhere);
-        the plugin gets them apart."""
+        both from there under `visible` (`block_mask`); the plugin gets them apart."""
         if self.use_plugin:
             return self.plugin_attention(q, k.transpose(1, 2), v.transpose(1, 2), cache.k[layer], cache.v[layer],
                                          context_lens)
         width = q.shape[2]
         cache.write(layer, context_lens[:, None] + torch.arange(width, device=q.device), k, v)
-        keys, values = cache.read(layer, visible.shape[-1])
+        keys, values = cache.read(layer, visible.length)
         if q.device.type == "cpu":
-            return fused_attention(q, keys, values, visible, None, self.scale)
-        return sink_attention(q, keys, values, visible, None, self.scale)
+            return fused_attention(q, keys, values, visible.mask, None, self.scale)
+        return sink_attention(q, keys, values, visible.mask, None, self.scale)
 
-    def block_mask(self, context_lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    def block_mask(self, context_lens: torch.Tensor, width: int, dtype: torch.dtype) -> BlockMask:
         """`block_attention`'s `visible` for a block of `width` slots, built once per step for all
-        layers: the bool mask, or on CPU the additive bias the fused kernel takes."""
+        layers: the bool mask, or on CPU the additive bias the fused kernel takes. A lone request
+        whose window does not cut its context sees every slot, and needs no mask (a dozen ops less)."""
         cfg = self.config
-        visible = block_visibility(context_lens, width, int(context_lens.max()) + width, cfg.sliding_window)
+        length = int(context_lens.max()) + width
+        if len(context_lens) == 1 and (cfg.sliding_window is None or length <= cfg.sliding_window):
+            return BlockMask(length, None)
+        visible = block_visibility(context_lens, width, length, cfg.sliding_window)
         if context_lens.device.type == "cpu":
-            return attention_bias(visible, cfg.num_attention_heads // cfg.num_key_value_heads, dtype)
-        return visible
+            return BlockMask(length, attention_bias(visible, cfg.num_attention_heads // cfg.num_key_value_heads, dtype))
+        return BlockMask(length, visible)
 
     def bypassed_modules_hooked(self) -> bool:
         """A forward hook on a projection the fused weights bypass (calibration records their inputs)."""
@@ -374,7 +386,7 @@ class DrafterStep(nn.Module):
     def forward(self, block_embeds: torch.Tensor, ctx_lens: torch.Tensor, *ctx_kv: torch.Tensor) -> torch.Tensor:
         width = block_embeds.shape[1]
         positions = ctx_lens[:, None].long() + torch.arange(width, device=block_embeds.device)
-        cos, sin = self.drafter.rotary(positions, block_embeds.dtype)
+        cos, sin = self.drafter.rotary.cos_sin(positions, block_embeds.dtype)  # no table lookup: a static graph
 
         def attend(i, q, k, v):
             return self.drafter.plugin_attention(q, k, v, ctx_kv[2 * i], ctx_kv[2 * i + 1], ctx_lens)

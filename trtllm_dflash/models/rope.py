@@ -27,9 +27,24 @@ class Rotary(torch.nn.Module):
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = float(scaling)
+        self.tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # [positions, 2, head_dim/2]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [...] -> cos, sin [..., head_dim/2] (angles in float32, then cast)."""
+        """positions [...] -> cos, sin [..., head_dim/2] (angles in float32, then cast), gathered from a
+        table of positions [0, 2^k) kept per dtype and device (grown when a position passes it): a
+        decode step's two small ops instead of seven."""
+        top = int(positions.max()) + 1 if positions.numel() else 0
+        table = self.tables.get((dtype, positions.device))
+        if table is None or len(table) < top:
+            with torch.inference_mode(False):  # a table made in inference mode could not serve training
+                size = 1 << max(top - 1, 255).bit_length()
+                table = torch.stack(self.cos_sin(torch.arange(size, device=positions.device), dtype), dim=-2)
+            self.tables[dtype, positions.device] = table
+        picked = table[positions]
+        return picked[..., 0, :], picked[..., 1, :]
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` computed from the angles, without the table (an exported graph's form)."""
         angles = positions[..., None].float() * self.inv_freq
         return (angles.cos() * self.attention_scaling).to(dtype), (angles.sin() * self.attention_scaling).to(dtype)
 

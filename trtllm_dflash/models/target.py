@@ -32,11 +32,11 @@ from .linear import packed_linear, prepack
 from .rope import Rotary, rotate
 
 
-def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                    sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Grouped-query attention with an optional learned sink logit per query head.
 
-    q [b, Hq, t, D]; k/v [b, Hkv, S, D]; mask [b, t, S] bool (True = visible); sinks [Hq] or None.
+    q [b, Hq, t, D]; k/v [b, Hkv, S, D]; mask [b, t, S] bool (True = visible; None: all); sinks [Hq] or None.
     The sink acts as one extra logit column with no value vector (gpt-oss). Returns [b, t, Hq*D].
     The plain formulation: used off CPU, in training, and as the reference for `fused_attention`.
     """
@@ -46,7 +46,9 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     # A KV head's query heads go side by side as extra rows, so K/V are read where they lie (a cache
     # slice) instead of being broadcast over the group, which copied the whole context every step.
     scores = (q.reshape(b, hkv, rows, d) @ k.transpose(-1, -2)).float() * scale  # [b, Hkv, G*t, S]
-    scores = scores.view(b, hkv, hq // hkv, t, length).masked_fill(~mask[:, None, None], float("-inf"))
+    scores = scores.view(b, hkv, hq // hkv, t, length)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
     if sinks is not None:
         sink = sinks.float().view(1, hkv, hq // hkv, 1, 1).expand(b, -1, -1, t, 1)
         scores = torch.cat([scores, sink], dim=-1)
@@ -65,10 +67,10 @@ def attention_bias(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> to
     return bias[:, None].expand(b, groups, t, length).reshape(b, 1, groups * t, length)
 
 
-def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                     sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
     """`sink_attention` as one fused CPU kernel: q [b, Hq, t, D], k/v [b, Hkv, S, D], `bias` from
-    `attention_bias`, sinks [Hkv, G, 1] float32 or None -> [b, t, Hq*D].
+    `attention_bias` (None: every key visible), sinks [Hkv, G, 1] float32 or None -> [b, t, Hq*D].
 
     The kernel returns each row's log-sum-exp, and a sink only rescales a row:
     softmax over [scores, sink] = softmax(scores) * Z / (Z + e^sink) = ... * sigmoid(lse - sink).
