@@ -58,7 +58,7 @@ def regenerate(target: GptOssTarget, prompts: list[list[int]], response_tokens: 
     return sequences
 
 
-@dataclass
+@dataclass(eq=False)
 class SequencePool:
     """Training sequences of one length [n, L]: anchors are drawn in [first, L - block_size]
     (`first`: the prompt's length, where the regenerated response starts)."""
@@ -130,14 +130,14 @@ def extra_pools(specs: list[list], block_size: int, vocab_size: int) -> list[Seq
     return pools
 
 
-def pick_pool(pools: list[SequencePool], gen: torch.Generator) -> SequencePool:
-    """One pool by its share (the first, the run's own, takes what the others leave). A single pool
-    draws nothing, so a run without extra pools keeps its random stream."""
+def pick_pool(pools: list[SequencePool], gen: torch.Generator) -> int:
+    """The index of one pool, drawn by share (the first, the run's own, takes what the others leave).
+    A single pool draws nothing, so a run without extra pools keeps its random stream."""
     if len(pools) == 1:
-        return pools[0]
+        return 0
     draw, total = float(torch.rand((), generator=gen)), 0.0
-    for pool in pools[1:]:
+    for index, pool in enumerate(pools[1:], start=1):
         total += pool.share
         if draw < total:
-            return pool
-    return pools[0]
+            return index
+    return 0

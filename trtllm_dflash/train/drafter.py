@@ -256,7 +256,7 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                        {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
         gen = torch.Generator().manual_seed(cfg.seed)
-        step, history, replays = 0, [], []
+        step, history, replays, drawn = 0, [], [], []  # drawn: the pool of each step's batches (0: the run's own)
         # --replay-every: the runtime's walk on each sequence, replayed in a fixed shuffled order
         replay_order, paths = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(cfg.seed)), {}
         # per sequence, where the runtime would have drafted after its last visit's blocks (-1: none yet)
@@ -266,6 +266,7 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
             optimizer.load_state_dict(state["optimizer"])
             gen.set_state(state["generator"])
             step, history, replays = state["step"], state["history"], state.get("replays", [])
+            drawn = state.get("pools", [])
             if state.get("walk") is not None and state["walk"].shape == walk.shape:  # same data and --anchors
                 walk = state["walk"]
         elif fresh is not None:
@@ -274,7 +275,8 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
         def save() -> None:
             tmp = checkpoint_path.with_suffix(".tmp")
             torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                        "generator": gen.get_state(), "history": history, "walk": walk, "replays": replays, "config": asdict(cfg)}, tmp)
+                        "generator": gen.get_state(), "history": history, "pools": drawn, "walk": walk, "replays": replays,
+                        "config": asdict(cfg)}, tmp)
             tmp.replace(checkpoint_path)
 
         if cfg.cache_features:  # the frozen target's features never change: compute them once
@@ -307,10 +309,10 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
                     group["lr"] = cosine_lr(step, cfg.steps, cfg.lr, warmup)
                 if replay and (step % cfg.replay_every == 0 or not paths):
                     replay_paths()
-                total = 0.0
+                total, picked = 0.0, []
                 for _ in range(cfg.grad_accum):
-                    pool = pick_pool(pools, gen)
-                    own = pool is pools[0]  # walk and replayed paths know the run's own sequences only
+                    picked.append(pick_pool(pools, gen))
+                    pool, own = pools[picked[-1]], picked[-1] == 0  # walk and replay know the run's own sequences only
                     last = pool.last(cfg.block_size)
                     rows = torch.randint(0, len(pool.sequences), (cfg.batch_size,), generator=gen)
                     anchors = sample_anchors(cfg.batch_size, cfg.anchors_per_sequence, pool.first, last, gen)
@@ -333,6 +335,7 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
                 history.append(total)
+                drawn.append(picked[0] if len(picked) == 1 else picked)
                 progress.update(task, completed=step, info=f"loss {total:.3f}")
                 if not progress.console.is_terminal and step % LOG_EVERY == 0:  # a log file gets plain lines
                     progress.console.log(f"step {step}/{cfg.steps} loss {total:.3f} lr {optimizer.param_groups[0]['lr']:.2e}")
@@ -343,7 +346,8 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
                     break
         finally:
             save()
-    (out / "history.json").write_text(json.dumps({"loss": history, "replays": replays, "config": asdict(cfg)}))
+    (out / "history.json").write_text(json.dumps({"loss": history, "pools": drawn, "replays": replays,
+                                                  "config": asdict(cfg)}))
     return save_drafter(drafter.eval(), out / "drafter")
 
 
