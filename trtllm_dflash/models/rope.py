@@ -29,11 +29,13 @@ class Rotary(torch.nn.Module):
         self.attention_scaling = float(scaling)
         self.tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # [positions, 2, head_dim/2]
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
+                top: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] -> cos, sin [..., head_dim/2] (angles in float32, then cast), gathered from a
         table of positions [0, 2^k) kept per dtype and device (grown when a position passes it): a
-        decode step's two small ops instead of seven."""
-        top = int(positions.max()) + 1 if positions.numel() else 0
+        decode step's two small ops instead of seven. `top`: max(positions) + 1 when the caller knows it."""
+        if top is None:
+            top = int(positions.max()) + 1 if positions.numel() else 0
         table = self.tables.get((dtype, positions.device))
         if table is None or len(table) < top:
             with torch.inference_mode(False):  # a table made in inference mode could not serve training

@@ -260,9 +260,9 @@ class GptOssTarget(nn.Module):
         `feature_layers` [b, t, len * hidden] (None when no layer is asked for).
         """
         x = self.embed(tokens)
-        cos, sin = self.rotary(positions, x.dtype)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads
         kv_len = int(positions.max()) + 1
+        cos, sin = self.rotary(positions, x.dtype, kv_len)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads
         lean = x.device.type == "cpu"
         masks = {w: causal_mask(positions, kv_len, w) for w in set(self.windows)}
         if lean:
