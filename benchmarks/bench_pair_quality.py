@@ -115,8 +115,8 @@ def main() -> None:
     baseline = ReferenceRuntime(target, None)
     reference = {name: [r.output_token_ids for r in baseline.generate(p, params, 1)] for name, p in sets.items()}
     report = {}
+    gemm = drafter_gemm_dtype(args.drafter_gemm_dtype, torch.float32, torch.device("cpu"))
     for label, directory in drafters:
-        gemm = drafter_gemm_dtype(args.drafter_gemm_dtype, torch.float32, torch.device("cpu"))
         drafter = load_drafter(directory, "cpu", torch.float32)
         runtime = ReferenceRuntime(target, DFlashProposer(drafter, target, matmul_dtype=gemm))
         row = {}

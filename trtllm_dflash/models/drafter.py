@@ -249,16 +249,16 @@ class DFlashDrafter(nn.Module):
         `matmul_dtype`: the GEMMs' dtype (`CastLinear`; None: the parameters')."""
         cfg = self.config
         features = features.to(self.dtype)
+        # positions index the arena, so they lie below its capacity: no reduction to bound the RoPE table
+        cos, sin = self.rotary(positions, self.dtype, cache.capacity)
         if self.bypassed_modules_hooked():
             fused = self.hidden_norm(self.fc(features))
-            cos, sin = self.rotary(positions, fused.dtype)
             for i, layer in enumerate(self.layers):
                 k, v = layer.self_attn.keys_values(fused, cos, sin)
                 cache.write(i, positions, k.transpose(1, 2), v.transpose(1, 2))
             return
         w = self.inference_weights(matmul_dtype)
         fused = self.hidden_norm(w.fc(features))
-        cos, sin = self.rotary(positions, fused.dtype)
         b, n, _ = fused.shape
         kv = w.context_kv(fused).view(b, n, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim)
         k = rotate(normalized(kv[:, :, :, 0], cfg.rms_norm_eps) * w.context_k_norm, cos[:, :, None, None],
