@@ -292,7 +292,8 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
                    "tokens [default: the engine's, else 2].")
 @click.option("--draft-length", type=click.Choice(["adaptive", "fixed"]),
               help="adaptive: per step, the number of drafts (0 = an autoregressive step) that maximises expected tokens "
-                   "per second of step, from step costs measured at start-up (seconds) and the acceptance seen so far; "
+                   "per second of step, from step costs measured at start-up (seconds) and the acceptance seen so far; a "
+                   "drafter step drafts the whole block and verifies as many drafts as their confidences pay for; "
                    "fixed: always the block's [default: adaptive for dflash / dflash-sa on the reference backend, else "
                    "fixed].")
 @click.option("--drafter-gemm-dtype", "drafter_gemm", type=click.Choice(["auto", "float32", "bfloat16"]),

@@ -58,9 +58,9 @@ def windowed_attention_float64(q, k, v, ctx_k, ctx_v, lens, window, scale):
 
 
 def attend(drafter: DFlashDrafter, layer: int, q, k, v, cache, lens):
-    """`block_attention` as the drafter's forward calls it (block k/v as [b, B, Hkv, D], its step mask)."""
-    visible = drafter.block_mask(lens, q.shape[2], q.dtype)
-    return drafter.block_attention(layer, q, k.transpose(1, 2), v.transpose(1, 2), cache, lens, visible)
+    """`block_attention` as the drafter's forward calls it (block k/v as [b, B, Hkv, D], its step layout)."""
+    block = drafter.block_layout(lens, q.shape[2], q.dtype)
+    return drafter.block_attention(layer, q, k.transpose(1, 2), v.transpose(1, 2), cache, lens, block)
 
 
 @pytest.fixture(scope="module")
@@ -98,11 +98,12 @@ def test_long_contexts_match_a_float64_reference_and_the_kernel_reference(drafte
 @pytest.mark.parametrize("window", [None, 23, 22])
 def test_a_lone_request_needs_no_mask_until_its_window_cuts(drafter, window):
     """Batch 1: no mask while every slot sees the whole context (19 + 4 slots <= window); once the
-    window cuts it, the mask is back. Either way the float64 reference holds."""
+    window cuts it, the mask is back. The block goes to one span just past the context either way,
+    and the float64 reference holds."""
     small = windowed(drafter, window)
     cache, q, k, v, lens = block_inputs(small, [19], seed=4)
-    visible = small.block_mask(lens, q.shape[2], q.dtype)
-    assert visible.length == 23 and (visible.mask is None) == (window != 22)
+    block = small.block_layout(lens, q.shape[2], q.dtype)
+    assert block.length == 23 and (block.mask is None) == (window != 22) and block.slots == 19
     expected = windowed_attention_float64(q, k, v, cache.k[0], cache.v[0], lens, window or 10**6, small.scale)
     torch.testing.assert_close(attend(small, 0, q, k, v, cache, lens).double(), expected, rtol=1e-5, atol=1e-5)
 

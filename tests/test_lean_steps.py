@@ -153,6 +153,34 @@ def test_lean_block_forward_equals_concatenating_path_and_keeps_context(drafter)
         assert torch.equal(cache.values[:, row, :, :n], before[1][:, row, :, :n])
 
 
+def test_a_lone_requests_span_writes_equal_indexed_writes(drafter):
+    """Batch 1 writes its context and its block as one span each (int positions): the arena, the RoPE
+    and the block's outputs are those of the indexed path, bit for bit."""
+    cfg = drafter.config
+    features = torch.randn(1, 7, len(cfg.target_layer_ids) * cfg.hidden_size)
+    spans, indexed = drafter.new_cache(1, 20), drafter.new_cache(1, 20)
+    drafter.write_context(features[:, :4], 0, spans)
+    drafter.write_context(features[:, 4:], 4, spans)  # a second commit, past the first
+    drafter.write_context(features[:, :4], torch.arange(4)[None], indexed)
+    drafter.write_context(features[:, 4:], torch.arange(4, 7)[None], indexed)
+    assert torch.equal(spans.keys, indexed.keys) and torch.equal(spans.values, indexed.values)
+    cos, sin = drafter.rotary.span(5, 3, torch.float32, torch.device("cpu"))
+    expected = drafter.rotary(torch.tensor([[5, 6, 7]]), torch.float32)
+    assert torch.equal(cos, expected[0]) and torch.equal(sin, expected[1])
+    block, lens = torch.randn(1, cfg.block_size, cfg.hidden_size), torch.tensor([7])
+    positions = 7 + torch.arange(cfg.block_size)[None]
+    assert drafter.block_layout(lens, cfg.block_size, block.dtype).slots == 7
+    k, v = torch.randn(2, 1, cfg.block_size, cfg.num_key_value_heads, cfg.head_dim)
+    spans.write(0, 7, k, v)
+    indexed.write(0, positions, k, v)
+    assert torch.equal(spans.keys, indexed.keys) and torch.equal(spans.values, indexed.values)
+    for dtype in (None, torch.bfloat16):
+        got = drafter(block, positions, spans, lens, dtype)
+        expected = concatenating_forward(drafter, block, positions, indexed, lens)
+        tolerance = 1e-5 if dtype is None else 0.05  # bf16 GEMMs (and the SiLU gate in bf16)
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
 def test_inference_weights_follow_parameter_updates():
     """An in-place update (an optimizer step) or new data (`.to()`) rebuilds the fused copies."""
     drafter = random_drafter(drafter_config_for(tiny_target_config(), num_layers=1, block_size=4), seed=1, std=0.1)

@@ -26,6 +26,8 @@ def test_cast_linear_is_a_rounded_linear_in_the_input_dtype(shape, with_bias):
     exact = F.linear(x, weight, bias)
     assert got.dtype == torch.float32 and got.shape == exact.shape
     torch.testing.assert_close(got, exact, rtol=0.03, atol=0.05 * float(exact.abs().max()))
+    native = CastLinear(weight, bias, torch.bfloat16).native(x)  # the GEMM's own dtype, not cast back
+    assert native.dtype == torch.bfloat16 and torch.equal(native.float(), got)
     # the same dtype in and out: the plain GEMM, exactly
     assert torch.equal(CastLinear(weight, bias, torch.float32)(x), F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
                        .view(exact.shape))

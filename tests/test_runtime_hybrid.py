@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from trtllm_dflash.errors import InputError
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
-from trtllm_dflash.runtime.draft_length import AcceptanceEstimate, AdaptiveDraftLength, measure_step_costs
+from trtllm_dflash.runtime.draft_length import (AcceptanceEstimate, AdaptiveDraftLength, ConfidenceCalibration,
+                                               measure_step_costs)
 from trtllm_dflash.runtime.proposers import DFlashProposer, SuffixDFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime, prefill
 from trtllm_dflash.runtime.sampling import SamplingParams
@@ -242,6 +243,36 @@ def test_adaptive_draft_length_trades_acceptance_against_cost():
     assert policy.choose("suffix", 2) == 2  # never more than the loop allows
     assert AdaptiveDraftLength(costs, least=1).choose("neural", 3) == 2  # least=1: always drafts
     assert AdaptiveDraftLength({"neural": [1.0, 1.0, 1.0, 1.0]}).choose("neural", 3) == 3  # free drafts: all
+
+
+def test_confidence_calibration_starts_at_the_confidence_and_learns_acceptance():
+    calibration = ConfidenceCalibration(decay=1.0)
+    assert calibration.rate(0.93) == pytest.approx(0.95) and calibration.rate(1.0) == pytest.approx(0.95)
+    assert calibration.expected_tokens([0.93, 0.13]) == pytest.approx([1, 1.95, 1.95 + 0.95 * 0.15])
+    for _ in range(20):  # confident drafts that fail, unconfident ones that hold
+        calibration.observe([[0.93, 0.13], [0.13, 0.93]], [0, 1])
+    # row 0 tried only its first draft (0.93, rejected); row 1 kept its first (0.13) and lost its second (0.93)
+    assert calibration.trials[9] == 40 and calibration.accepted[9] == 0
+    assert calibration.trials[1] == 20 and calibration.accepted[1] == 20
+    assert calibration.rate(0.95) == pytest.approx(0.95 * 2 / 42)
+
+
+def test_truncation_verifies_what_the_drafts_confidence_pays_for():
+    costs = {"neural": [1.0, 2.0, 2.1, 2.2, 2.3], "suffix": [1.0, 1.1, 1.2, 1.3, 1.4]}
+    policy = AdaptiveDraftLength(costs)
+    policy.choose("neural", 4)
+    assert policy.truncate([[0.99, 0.99, 0.05, 0.99]], 4) == 2  # the third draft will likely fail: stop before it
+    assert policy.chosen["neural"][-1] == 2  # the step's K as verified
+    policy.choose("neural", 4)
+    assert policy.truncate([[0.99] * 4], 4) == 4
+    policy.choose("neural", 4)
+    assert policy.truncate([[0.99] * 4], 2) == 2  # never more than drafted
+    policy.choose("neural", 4)
+    assert policy.truncate([[0.05] * 4], 4) == 1  # the drafter step is paid for: at least one draft
+    for _ in range(30):
+        policy.observe("suffix", 4, [4])  # suffix drafts that always hold
+    policy.choose("neural", 4)
+    assert policy.truncate([[0.99, 0.05, 0.05, 0.05]], 4, suffix_rows=3) == 4  # the suffix rows carry the block
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])

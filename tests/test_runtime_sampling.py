@@ -121,6 +121,21 @@ def test_adaptive_draft_length_with_bf16_drafter_gemms_samples_follow_target_dis
     assert p_value > ALPHA, f"adaptive-K samples deviate from the target distribution (p = {p_value:.2e})"
 
 
+def test_confidence_truncated_blocks_sample_the_target_distribution(pair):
+    """DFlash alone at T=0.7 with the adaptive policy: every drafter step drafts the whole block and
+    verifies as many drafts as their distributions' peaks pay for (costs under which the K verified
+    varies as the calibration learns); the samples still follow the target's distribution."""
+    hf, target, drafter = pair
+    def params(seed):
+        return SamplingParams(max_tokens=3, temperature=0.7, seed=seed)
+    policy = AdaptiveDraftLength({"neural": [1.0, 1.3, 1.5, 1.7], "suffix": [1.0, 1.1, 1.2, 1.3]}, least=1)
+    counts, histogram, _ = speculative_counts(target, drafter, params, DFlashProposer(drafter, target, policy=policy))
+    assert len(set(policy.chosen["neural"])) > 1, "the truncation never changed K: the test would not exercise it"
+    assert histogram[0] > 0 and sum(histogram[1:]) > 0, "both acceptance and rejection must be exercised"
+    p_value = chi_square_p_value(counts, exact_joint(hf, params(0)))
+    assert p_value > ALPHA, f"truncated-block samples deviate from the target distribution (p = {p_value:.2e})"
+
+
 def test_the_test_rejects_a_lossy_rule(pair, monkeypatch):
     """Accepting every draft (uniforms forced to 0) is lossy; the chi-square test must notice."""
     hf, target, drafter = pair

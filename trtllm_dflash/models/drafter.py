@@ -45,6 +45,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 == self.weight.dtype:  # the same numbers, one op less
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * normalized(x, self.eps)
 
 
@@ -147,12 +149,15 @@ def block_visibility(context_lens: torch.Tensor, width: int, length: int, window
     return context_visibility(context_lens, width, length, window) | block[:, None]
 
 
-class BlockMask(NamedTuple):
-    """What a step's block attention reads: arena slots [0, length), of which `mask` says who sees what
-    (`block_visibility`, or on CPU its additive form); None when every slot sees all of them."""
+class BlockLayout(NamedTuple):
+    """Where a step's block goes in the draft arena and what its attention reads: the block's K/V go to
+    `slots` (`KVArena.write` positions: [b, B], or for a lone request the int first slot), attention
+    reads arena slots [0, length), of which `mask` says who sees what (`block_visibility`, or on CPU its
+    additive form); None when every slot sees all of them."""
 
     length: int
     mask: torch.Tensor | None
+    slots: torch.Tensor | int
 
 
 class DFlashDrafter(nn.Module):
@@ -198,32 +203,37 @@ class DFlashDrafter(nn.Module):
         return out.reshape(b, width, hq * d)
 
     def block_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVArena,
-                        context_lens: torch.Tensor, visible: BlockMask) -> torch.Tensor:
+                        context_lens: torch.Tensor, block: BlockLayout) -> torch.Tensor:
         """Block queries q [b, Hq, B, D] over the request's context and the block's own k/v [b, B, Hkv, D]
         -> [b, B, Hq*D]. The plain path writes k/v to the arena slots just past the context and reads
-        both from there under `visible` (`block_mask`); the plugin gets them apart."""
+        both from there (`block_layout`); the plugin gets them apart."""
         if self.use_plugin:
             return self.plugin_attention(q, k.transpose(1, 2), v.transpose(1, 2), cache.k[layer], cache.v[layer],
                                          context_lens)
-        width = q.shape[2]
-        cache.write(layer, context_lens[:, None] + torch.arange(width, device=q.device), k, v)
-        keys, values = cache.read(layer, visible.length)
+        cache.write(layer, block.slots, k, v)
+        keys, values = cache.read(layer, block.length)
         if q.device.type == "cpu":
-            return fused_attention(q, keys, values, visible.mask, None, self.scale)
-        return sink_attention(q, keys, values, visible.mask, None, self.scale)
+            return fused_attention(q, keys, values, block.mask, None, self.scale)
+        return sink_attention(q, keys, values, block.mask, None, self.scale)
 
-    def block_mask(self, context_lens: torch.Tensor, width: int, dtype: torch.dtype) -> BlockMask:
-        """`block_attention`'s `visible` for a block of `width` slots, built once per step for all
-        layers: the bool mask, or on CPU the additive bias the fused kernel takes. A lone request
-        whose window does not cut its context sees every slot, and needs no mask (a dozen ops less)."""
+    def block_layout(self, context_lens: torch.Tensor, width: int, dtype: torch.dtype) -> BlockLayout:
+        """`block_attention`'s layout for a block of `width` slots, built once per step for all layers:
+        the bool mask, or on CPU the additive bias the fused kernel takes. A lone request writes its
+        block as one span and, while the window does not cut its context, sees every slot it reads, so
+        it needs no mask (a dozen ops less)."""
         cfg = self.config
         length = int(context_lens.max()) + width
-        if len(context_lens) == 1 and (cfg.sliding_window is None or length <= cfg.sliding_window):
-            return BlockMask(length, None)
+        if len(context_lens) == 1:
+            slots = length - width
+            if cfg.sliding_window is None or length <= cfg.sliding_window:
+                return BlockLayout(length, None, slots)
+        else:
+            slots = context_lens[:, None] + torch.arange(width, device=context_lens.device)
         visible = block_visibility(context_lens, width, length, cfg.sliding_window)
         if context_lens.device.type == "cpu":
-            return BlockMask(length, attention_bias(visible, cfg.num_attention_heads // cfg.num_key_value_heads, dtype))
-        return BlockMask(length, visible)
+            groups = cfg.num_attention_heads // cfg.num_key_value_heads
+            return BlockLayout(length, attention_bias(visible, groups, dtype), slots)
+        return BlockLayout(length, visible, slots)
 
     def bypassed_modules_hooked(self) -> bool:
         """A forward hook on a projection the fused weights bypass (calibration records their inputs)."""
@@ -241,16 +251,19 @@ class DFlashDrafter(nn.Module):
                        self.dtype, self.fc.weight.device)
 
     @torch.inference_mode()
-    def write_context(self, features: torch.Tensor, positions: torch.Tensor, cache: KVArena,
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor | int, cache: KVArena,
                       matmul_dtype: torch.dtype | None = None) -> None:
-        """Project target features [b, n, F] of committed tokens at `positions` [b, n] into every
-        layer's context K/V. Done once per committed token; never recomputed. All layers at once:
-        fc -> hidden_norm -> one GEMM over the stacked k/v weights -> each layer's k_norm -> RoPE.
+        """Project target features [b, n, F] of committed tokens at `positions` [b, n] (or, for a lone
+        request, the int first position of n consecutive ones) into every layer's context K/V. Done once
+        per committed token; never recomputed. All layers at once: fc -> hidden_norm -> one GEMM over
+        the stacked k/v weights -> each layer's k_norm -> RoPE.
         `matmul_dtype`: the GEMMs' dtype (`CastLinear`; None: the parameters')."""
         cfg = self.config
         features = features.to(self.dtype)
-        # positions index the arena, so they lie below its capacity: no reduction to bound the RoPE table
-        cos, sin = self.rotary(positions, self.dtype, cache.capacity)
+        if isinstance(positions, int):
+            cos, sin = self.rotary.span(positions, features.shape[1], self.dtype, features.device)
+        else:  # positions index the arena, so they lie below its capacity: no reduction to bound the table
+            cos, sin = self.rotary(positions, self.dtype, cache.capacity)
         if self.bypassed_modules_hooked():
             fused = self.hidden_norm(self.fc(features))
             for i, layer in enumerate(self.layers):
@@ -289,20 +302,22 @@ class DFlashDrafter(nn.Module):
         b, width, _ = x.shape
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         cos, sin = self.rotary(block_positions, x.dtype)
-        visible = self.block_mask(context_lens, width, x.dtype)
+        block = self.block_layout(context_lens, width, x.dtype)
         if self.bypassed_modules_hooked():
             return self.run_layers(x, cos, sin, lambda i, q, k, v: self.block_attention(
-                i, q, k.transpose(1, 2), v.transpose(1, 2), cache, context_lens, visible))
+                i, q, k.transpose(1, 2), v.transpose(1, 2), cache, context_lens, block))
         w = self.inference_weights(matmul_dtype)
         cos, sin = cos[:, :, None], sin[:, :, None]
         for i, layer in enumerate(self.layers):
             qkv = w.qkv[i](layer.input_layernorm(x)).view(b, width, -1, cfg.head_dim)
             qk = rotate(normalized(qkv[:, :, : hq + hkv], cfg.rms_norm_eps) * w.qk_norm[i], cos, sin)
             attended = self.block_attention(i, qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:], qkv[:, :, hq + hkv:],
-                                            cache, context_lens, visible)
-            x = x + w.o_proj[i](attended)
-            gate, up = w.gate_up[i](layer.post_attention_layernorm(x)).chunk(2, dim=-1)
-            x = x + w.down_proj[i](F.silu(gate) * up)
+                                            cache, context_lens, block)
+            # o_proj's and down_proj's outputs stay in the GEMM dtype (the residual add promotes them), and
+            # so does the SiLU gate between gate/up and down: four casts a layer less
+            x = x + w.o_proj[i].native(attended)
+            gate, up = w.gate_up[i].native(layer.post_attention_layernorm(x)).chunk(2, dim=-1)
+            x = x + w.down_proj[i].native(F.silu(gate) * up)
         return self.norm(x)
 
     def forward_train(self, features: torch.Tensor, context_positions: torch.Tensor, block_embeds: torch.Tensor,

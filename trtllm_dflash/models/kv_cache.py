@@ -28,13 +28,22 @@ class KVArena:
         self.k, self.v = list(self.keys.unbind(0)), list(self.values.unbind(0))
         self.rows = torch.arange(self.keys.shape[1], device=self.keys.device)[:, None]
 
-    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """positions [b, t] (absolute); k/v [b, t, kv_heads, D] (token-major, as projections give them)."""
+    def write(self, layer: int, positions: torch.Tensor | int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """positions [b, t] (absolute), or an int `start` when every row's tokens go to start, start + 1, ...
+        (a lone request); k/v [b, t, kv_heads, D] (token-major, as projections give them)."""
+        if isinstance(positions, int):  # one copy into the span: a third of an indexed write's time
+            self.k[layer][:, :, positions: positions + k.shape[1]] = k.transpose(1, 2)
+            self.v[layer][:, :, positions: positions + v.shape[1]] = v.transpose(1, 2)
+            return
         self.k[layer][self.rows, :, positions] = k.to(self.keys.dtype)
         self.v[layer][self.rows, :, positions] = v.to(self.values.dtype)
 
-    def write_all(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Every layer at once: positions [b, t]; k/v [b, t, layers, kv_heads, D]."""
+    def write_all(self, positions: torch.Tensor | int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Every layer at once: positions as for `write`; k/v [b, t, layers, kv_heads, D]."""
+        if isinstance(positions, int):
+            self.keys[:, :, :, positions: positions + k.shape[1]] = k.permute(2, 0, 3, 1, 4)
+            self.values[:, :, :, positions: positions + v.shape[1]] = v.permute(2, 0, 3, 1, 4)
+            return
         self.keys[:, self.rows, :, positions] = k.to(self.keys.dtype)
         self.values[:, self.rows, :, positions] = v.to(self.values.dtype)
 

@@ -50,12 +50,17 @@ class CastLinear:
         self.weight = prepack(weight) if self.packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.native(x).to(x.dtype)
+
+    def native(self, x: torch.Tensor) -> torch.Tensor:
+        """y in `dtype`, the GEMM's own, not cast back: for a consumer that takes it as it is (a residual
+        add promotes it; the next GEMM of the same dtype reads it directly), one copy less each way."""
         flat = x.reshape(-1, x.shape[-1]).to(self.dtype)  # 2-D: a 3-D input sends F.linear to a batched matmul
         if self.packed:
             y = packed_linear(flat, self.weight, self.bias)
         else:
             y = F.linear(flat, self.weight, self.bias)
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
 
 
 def drafter_gemm_dtype(choice: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype | None:

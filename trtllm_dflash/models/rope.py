@@ -36,14 +36,24 @@ class Rotary(torch.nn.Module):
         decode step's two small ops instead of seven. `top`: max(positions) + 1 when the caller knows it."""
         if top is None:
             top = int(positions.max()) + 1 if positions.numel() else 0
-        table = self.tables.get((dtype, positions.device))
+        picked = self.table(top, dtype, positions.device)[positions]
+        return picked[..., 0, :], picked[..., 1, :]
+
+    def span(self, start: int, count: int, dtype: torch.dtype,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` of positions [[start, ..., start + count - 1]]: views of the table, no gather."""
+        picked = self.table(start + count, dtype, device)[None, start: start + count]
+        return picked[..., 0, :], picked[..., 1, :]
+
+    def table(self, top: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """[size, 2, head_dim/2] cos/sin of positions [0, size), size >= top a power of two."""
+        table = self.tables.get((dtype, device))
         if table is None or len(table) < top:
             with torch.inference_mode(False):  # a table made in inference mode could not serve training
                 size = 1 << max(top - 1, 255).bit_length()
-                table = torch.stack(self.cos_sin(torch.arange(size, device=positions.device), dtype), dim=-2)
-            self.tables[dtype, positions.device] = table
-        picked = table[positions]
-        return picked[..., 0, :], picked[..., 1, :]
+                table = torch.stack(self.cos_sin(torch.arange(size, device=device), dtype), dim=-2)
+            self.tables[dtype, device] = table
+        return table
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` computed from the angles, without the table (an exported graph's form)."""

@@ -1,11 +1,17 @@
 """Adaptive draft length: per step, the number of drafts K that maximises the expected committed
-tokens per second of step, from a running estimate of per-position acceptance and a table of
-measured step costs (issue 17, round 2).
+tokens per second of step, from running estimates of acceptance and a table of measured step costs
+(issue 17, round 2; the confidence truncation, round 6).
 
-Why: on a small target an 8-token verify costs ~1.7 AR steps while tau is ~2.6, and the last draft
+Why: on a small target an 8-token verify costs ~1.5 AR steps while tau is ~2.6, and the last draft
 positions are rarely accepted, so a shorter block can commit nearly as many tokens for less.
-Any K is lossless (greedy and rejection sampling alike): K depends on past steps only, never on
-the drafts or the random numbers of the step it sizes.
+
+Two decisions per step. Before it, `choose` picks K from per-position acceptance (K = 0: a plain
+autoregressive step). A drafter step then drafts the whole block in its one forward anyway, so
+`truncate` picks how many of those drafts to verify from the drafter's confidence in each
+(`ConfidenceCalibration`): a confident block is verified whole, one whose third draft is a guess
+stops before it. Any K is lossless (greedy and rejection sampling alike): K depends on past steps and
+on the drafter's distributions, never on the target, the tokens drawn or the random numbers of the
+step it sizes.
 
 Drafts come from two sources with very different acceptance (dflash-sa): the DFlash drafter
 ("neural") and the suffix match ("suffix"); each has its own estimate and cost row.
@@ -60,6 +66,47 @@ class AcceptanceEstimate:
         return expected
 
 
+@dataclass
+class ConfidenceCalibration:
+    """P(a neural draft is accepted | every draft before it was) as a function of the drafter's own
+    confidence in it (the probability it gave the drafted token), per confidence bucket, from decaying
+    counts. The prior of a bucket is its midpoint: a calibrated drafter's confidence is its acceptance
+    (on the embedded pair, from 0.06 in the lowest tenth to 0.96 in the highest)."""
+
+    buckets: int = 10
+    decay: float = 0.98  # per observed step
+    prior_weight: float = 2.0
+    accepted: list[float] = field(init=False)
+    trials: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.accepted, self.trials = [0.0] * self.buckets, [0.0] * self.buckets
+
+    def bucket(self, confidence: float) -> int:
+        return min(int(confidence * self.buckets), self.buckets - 1)
+
+    def rate(self, confidence: float) -> float:
+        b = self.bucket(confidence)
+        return (self.accepted[b] + (b + 0.5) / self.buckets * self.prior_weight) / (self.trials[b] + self.prior_weight)
+
+    def expected_tokens(self, confidences: list[float]) -> list[float]:
+        """[K] -> expected committed tokens of one row verifying its first K drafts (bonus included)."""
+        expected, survive = [1.0], 1.0
+        for confidence in confidences:
+            survive *= self.rate(confidence)
+            expected.append(expected[-1] + survive)
+        return expected
+
+    def observe(self, confidences: list[list[float]], num_accepted: list[int]) -> None:
+        """One step: row i verified drafts of these confidences and kept the first num_accepted[i]."""
+        self.accepted = [a * self.decay for a in self.accepted]
+        self.trials = [t * self.decay for t in self.trials]
+        for row, kept in zip(confidences, num_accepted):
+            for position, confidence in enumerate(row[: kept + 1]):  # past the first rejection: untried
+                self.trials[self.bucket(confidence)] += 1
+                self.accepted[self.bucket(confidence)] += position < kept
+
+
 class AdaptiveDraftLength:
     """Chooses K in [least, most] per step and source: argmax of expected tokens / cost[source][K].
 
@@ -74,12 +121,14 @@ class AdaptiveDraftLength:
         self.costs, self.least, self.explore_every = costs, least, explore_every
         self.most = min(len(row) for row in costs.values()) - 1
         self.estimates = {source: AcceptanceEstimate(self.most, decay, prior) for source in costs}
+        self.calibration = ConfidenceCalibration()
         self.idle = {source: 0 for source in costs}  # steps in a row without drafts, per source
         self.chosen: dict[str, list[int]] = {source: [] for source in costs}  # K of every step, for reports
 
     def choose(self, source: str, most: int) -> int:
         most = min(most, self.most)
         if most <= self.least:
+            self.chosen[source].append(most)
             return most
         expected, cost = self.estimates[source].expected_tokens(), self.costs[source]
 
@@ -93,6 +142,24 @@ class AdaptiveDraftLength:
         if k:
             self.idle[source] = 0
         self.chosen[source].append(k)
+        return k
+
+    def truncate(self, confidences: list[list[float]], most: int, suffix_rows: int = 0) -> int:
+        """After a drafter step: how many of the `most` drafts to verify, K in [1, most], the argmax of
+        expected tokens / cost["neural"][K] where each neural row's acceptance follows its drafts'
+        confidences (`ConfidenceCalibration`) and each of `suffix_rows` rows of suffix drafts follows
+        the suffix source's estimate. Lossless like any K: it depends on the drafts only, never on the
+        target. Replaces the step's K in `chosen`."""
+        most = min(most, self.most)
+        expected = [0.0] * (most + 1)
+        rows = [self.calibration.expected_tokens(row[:most]) for row in confidences]
+        if suffix_rows:
+            rows.append([suffix_rows * e for e in self.estimates["suffix"].expected_tokens()])
+        for row in rows:
+            expected = [total + e for total, e in zip(expected, row)]
+        cost = self.costs["neural"]
+        k = max(range(1, most + 1), key=lambda k: expected[k] / cost[k])
+        self.chosen["neural"][-1] = k
         return k
 
     def observe(self, source: str, num_drafts: int, num_accepted: list[int]) -> None:
@@ -130,8 +197,9 @@ def nondecreasing(costs: list[float]) -> list[float]:
 def measure_step_costs(target, make_proposer, batch: int, most: int, context: int = 200,
                        rounds: int = 20) -> dict[str, list[float]]:
     """Seconds of a step with K = 0..most drafts at `batch` rows and a `context`-token history, per
-    source: "neural" = drafter step (context write of 3 committed tokens + block forward + LM head)
-    + verify of K + 1 tokens; "suffix" = context write + verify (no drafter forward). `make_proposer()`
+    source: "neural" = drafter step (context write of 3 committed tokens + the whole block's forward +
+    LM head: a drafter step drafts every slot and `truncate` picks how many to verify) + verify of
+    K + 1 tokens; "suffix" = context write + verify (no drafter forward). `make_proposer()`
     gives a fresh `DFlashProposer` (its state is scratch here). Medians over `rounds` interleaved rounds,
     made nondecreasing in K."""
     from .sampling import SamplingParams
@@ -164,9 +232,7 @@ def measure_step_costs(target, make_proposer, batch: int, most: int, context: in
         target(tokens[:, : k + 1], context + torch.arange(k + 1, device=device).expand(batch, -1), cache,
                proposer.feature_layers)
 
-    calls = [context_write] + [lambda k=k: verify(k) for k in range(most + 1)]
-    calls += [lambda k=k: draft(k) for k in range(1, most + 1)]
-    medians = interleaved_medians(calls, rounds)
-    write, verifies, drafts = medians[0], medians[1: most + 2], [0.0] + medians[most + 2:]
-    return {"neural": nondecreasing([v + d for v, d in zip(verifies, drafts)]),
+    calls = [context_write, lambda: draft(most)] + [lambda k=k: verify(k) for k in range(most + 1)]
+    write, drafted, *verifies = interleaved_medians(calls, rounds)
+    return {"neural": nondecreasing([verifies[0]] + [v + drafted for v in verifies[1:]]),
             "suffix": nondecreasing([verifies[0]] + [v + write for v in verifies[1:]])}

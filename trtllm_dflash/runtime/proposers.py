@@ -53,7 +53,9 @@ class DFlashProposer:
     Invariants: after `propose`, the draft cache holds context K/V for positions [0, s) of each
     request (s = anchor position); the anchor reaches the drafter only through its embedding;
     `commit` queues the verify features of the anchor and the accepted drafts for the next call.
-    With a `policy` (`AdaptiveDraftLength`) each step drafts the K it chooses (at most the loop's).
+    With a `policy` (`AdaptiveDraftLength`) each step first decides whether to draft at all; a drafter
+    step drafts the whole block (at most the loop's K) and verifies as many drafts as their confidences
+    pay for (`AdaptiveDraftLength.truncate`).
     With `matmul_dtype` (e.g. bfloat16) every GEMM of the drafter step -- the context projection,
     the layers and the draft logits from a copy of the target's LM head -- runs in that dtype
     (`CastLinear`), the rest in the drafter's own: drafts need not be exact (the target verifies them;
@@ -71,6 +73,8 @@ class DFlashProposer:
                                                                  matmul_dtype)
         self.block_size = block_size or cfg.block_size
         self.num_drafts = self.block_size - 1
+        self.keep_confidence = policy is not None  # the adaptive policy sizes a drafted block by it
+        self.confidence: torch.Tensor | None = None
         self.feature_layers = list(cfg.target_layer_ids)
         self.mask_token_id = cfg.mask_token_id
 
@@ -87,18 +91,31 @@ class DFlashProposer:
     def write_pending_context(self) -> None:
         """Write the queued committed positions' context K/V (before drafting, and on steps whose
         drafts come from elsewhere, so the draft cache never falls behind the committed tokens)."""
-        # A row's entries past its own pending length are padding: they land past its context, where
-        # nothing reads them before they are overwritten; the clamp keeps them inside the arena.
-        positions = (self.context_lens[:, None] + self.columns[: self.pending.shape[1]]).clamp_(max=self.cache.capacity - 1)
+        if len(self.context_lens) == 1:  # a lone request's positions follow its context: one span
+            positions = int(self.context_lens[0])
+        else:  # A row's entries past its own pending length are padding: they land past its context, where
+            # nothing reads them before they are overwritten; the clamp keeps them inside the arena.
+            positions = (self.context_lens[:, None] + self.columns[: self.pending.shape[1]]).clamp_(max=self.cache.capacity - 1)
         self.drafter.write_context(self.pending, positions, self.cache, self.matmul_dtype)
         self.context_lens += self.pending_lens
         self.pending, self.pending_lens = self.pending[:, :0], self.pending_lens.zero_()
 
     def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
-        if self.policy is not None:
-            num_drafts = self.policy.choose("neural", num_drafts)
-        if num_drafts == 0:  # an autoregressive step: the queued context waits for the next draft
+        drafting = num_drafts > 0 if self.policy is None else self.policy.choose("neural", num_drafts) > 0
+        if not drafting:  # an autoregressive step: the queued context waits for the next draft
             return anchors.new_zeros(len(anchors), 0), None
+        drafts, q = self.draft(anchors, anchor_positions, num_drafts, params, generator)
+        if self.policy is not None:  # the whole block is drafted; its confidences say how much to verify
+            k = self.policy.truncate(self.confidence.tolist(), num_drafts)
+            drafts, q, self.confidence = drafts[:, :k], None if q is None else q[:, :k], self.confidence[:, :k]
+        return drafts, q
+
+    def draft(self, anchors, anchor_positions, num_drafts, params, generator):
+        """One drafter step: `num_drafts` drafts per row and, when sampling, their distributions. With
+        `keep_confidence`, `confidence` [b, num_drafts] is the peak of each draft's distribution (the
+        greedy draft's probability): a function of the distributions, never of the tokens drawn from
+        them, so a K chosen by it keeps rejection sampling exact (one chosen by the drawn token's own
+        probability would not: the drafts it keeps would no longer be distributed as q)."""
         self.write_pending_context()
         width = num_drafts + 1
         block = self.block[:, :width]
@@ -107,8 +124,12 @@ class DFlashProposer:
         hidden = self.drafter(self.target.embed(block), positions, self.cache, self.context_lens, self.matmul_dtype)
         logits = self.draft_logits(hidden[:, 1:])
         if params.greedy:
+            if self.keep_confidence:
+                self.confidence = torch.softmax(logits, dim=-1).amax(dim=-1)
             return logits.argmax(dim=-1), None
         q = probabilities(logits, params)
+        if self.keep_confidence:
+            self.confidence = q.amax(dim=-1)
         uniforms = torch.rand(q.shape[:-1], generator=generator, device=q.device)
         return sample_from_probs(q, uniforms), q
 
@@ -122,7 +143,10 @@ class DFlashProposer:
         """Queue the committed positions' features; usually the queue is empty (one step's worth),
         but steps without drafting (draft length 0 under load) let it grow until the next draft."""
         if self.policy is not None:
-            self.policy.observe("neural", features.shape[1] - 1, num_accepted.tolist())
+            kept = num_accepted.tolist()
+            self.policy.observe("neural", features.shape[1] - 1, kept)
+            if features.shape[1] > 1:  # a step that verified drafts (the drafter's)
+                self.policy.calibration.observe(self.confidence.tolist(), kept)
         self.pending, self.pending_lens = append_ragged(self.pending, self.pending_lens, features, num_accepted + 1)
 
     def keep_rows(self, rows):
@@ -196,8 +220,9 @@ class SuffixDFlashProposer:
     When every row takes suffix drafts the drafter's block forward is skipped, but its context K/V
     of the committed tokens is still written. `suffix_rows` says which rows of the last `propose`
     took suffix drafts (the loop counts them per request as `suffix_steps`). With a `policy` the
-    step drafts the K it chooses for the suffix source when every row has a match, else for the
-    drafter (suffix rows then take that many of their drafts); `dflash` itself must have none.
+    step drafts the K it chooses for the suffix source when every row has a match; else, unless it
+    chooses none, the drafter drafts the whole block and the step verifies the K that the neural rows'
+    confidences and the suffix rows' estimate pay for. `dflash` itself must have no policy.
     """
 
     needs_history = True
@@ -209,6 +234,7 @@ class SuffixDFlashProposer:
         if policy is not None and dflash.policy is not None:
             raise ValueError("give the adaptive draft length to the hybrid proposer only, not to its DFlash proposer")
         self.dflash, self.threshold, self.policy = dflash, threshold, policy
+        dflash.keep_confidence = policy is not None
         self.num_drafts, self.feature_layers = dflash.num_drafts, dflash.feature_layers
         self.suffix_rows: list[bool] = []
 
@@ -227,13 +253,17 @@ class SuffixDFlashProposer:
     def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
         matched = self.suffix_drafts(history, num_drafts)
         self.suffix_rows = [row is not None for row in matched]
+        everyone = all(self.suffix_rows)
         if self.policy is not None:
-            num_drafts = self.policy.choose("suffix" if all(self.suffix_rows) else "neural", num_drafts)
+            chosen = self.policy.choose("suffix" if everyone else "neural", num_drafts)
+            # a suffix step verifies what the policy chose; a drafter step drafts the whole block and
+            # verifies what its drafts' confidences say (`truncate`)
+            num_drafts = chosen if everyone or chosen == 0 else num_drafts
             matched = [None if row is None else row[:num_drafts] for row in matched]
         if num_drafts == 0:  # an autoregressive step (the policy's choice)
             self.suffix_rows = [False] * len(matched)
             return anchors.new_zeros(len(anchors), 0), None
-        if all(self.suffix_rows):
+        if everyone:
             self.dflash.write_pending_context()
             return torch.tensor(matched, dtype=anchors.dtype, device=anchors.device), None
         drafts, q = self.dflash.propose(anchors, anchor_positions, history, num_drafts, params, generator)
@@ -243,6 +273,11 @@ class SuffixDFlashProposer:
             drafts[rows] = suffix
             if q is not None:
                 q[rows] = torch.nn.functional.one_hot(suffix, q.shape[-1]).to(q.dtype)
+        if self.policy is not None:
+            neural = [row for row, suffix in zip(self.dflash.confidence.tolist(), self.suffix_rows) if not suffix]
+            k = self.policy.truncate(neural, num_drafts, suffix_rows=sum(self.suffix_rows))
+            drafts, q = drafts[:, :k], None if q is None else q[:, :k]
+            self.dflash.confidence = self.dflash.confidence[:, :k]
         return drafts, q
 
     def commit(self, features, num_accepted):
@@ -251,6 +286,10 @@ class SuffixDFlashProposer:
             for source, suffix in (("suffix", True), ("neural", False)):
                 rows = [a for a, row in zip(kept, self.suffix_rows) if row == suffix]
                 self.policy.observe(source, features.shape[1] - 1, rows)
+            if features.shape[1] > 1 and not all(self.suffix_rows):  # the drafter's step
+                neural = [(c, a) for c, a, suffix in zip(self.dflash.confidence.tolist(), kept, self.suffix_rows)
+                          if not suffix]
+                self.policy.calibration.observe([c for c, _ in neural], [a for _, a in neural])
         self.dflash.commit(features, num_accepted)
 
     def keep_rows(self, rows):
