@@ -274,11 +274,16 @@ class SuffixDFlashProposer:
             if q is not None:
                 q[rows] = torch.nn.functional.one_hot(suffix, q.shape[-1]).to(q.dtype)
         if self.policy is not None:
-            neural = [row for row, suffix in zip(self.dflash.confidence.tolist(), self.suffix_rows) if not suffix]
-            k = self.policy.truncate(neural, num_drafts, suffix_rows=sum(self.suffix_rows))
+            confidence = self.dflash.confidence.tolist()
+            k = self.policy.truncate([confidence[i] for i in self.neural_rows()], num_drafts,
+                                     suffix_rows=sum(self.suffix_rows))
             drafts, q = drafts[:, :k], None if q is None else q[:, :k]
             self.dflash.confidence = self.dflash.confidence[:, :k]
         return drafts, q
+
+    def neural_rows(self) -> list[int]:
+        """The rows whose drafts in the last `propose` came from the drafter."""
+        return [i for i, suffix in enumerate(self.suffix_rows) if not suffix]
 
     def commit(self, features, num_accepted):
         if self.policy is not None:
@@ -287,9 +292,8 @@ class SuffixDFlashProposer:
                 rows = [a for a, row in zip(kept, self.suffix_rows) if row == suffix]
                 self.policy.observe(source, features.shape[1] - 1, rows)
             if features.shape[1] > 1 and not all(self.suffix_rows):  # the drafter's step
-                neural = [(c, a) for c, a, suffix in zip(self.dflash.confidence.tolist(), kept, self.suffix_rows)
-                          if not suffix]
-                self.policy.calibration.observe([c for c, _ in neural], [a for _, a in neural])
+                neural, confidence = self.neural_rows(), self.dflash.confidence.tolist()
+                self.policy.calibration.observe([confidence[i] for i in neural], [kept[i] for i in neural])
         self.dflash.commit(features, num_accepted)
 
     def keep_rows(self, rows):
