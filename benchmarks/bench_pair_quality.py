@@ -36,8 +36,7 @@ from trtllm_dflash.runtime.proposers import DFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.train import corpus
-
-THIRD_PARTY = ("click", "rich", "pydantic", "jinja2", "yaml", "hypothesis", "safetensors", "packaging")
+from trtllm_dflash.train.packages import EVALUATION_PACKAGES as THIRD_PARTY
 SNIPPET_SEED = 4321
 LONG_LINES = (60, 100)
 LONG_PROMPT_TOKENS = 896

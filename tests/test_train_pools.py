@@ -97,3 +97,21 @@ def test_bad_extra_sequences_exit_2_before_the_run_directory_exists(tmp_path):
         "--steps", "1", "--device", "cpu", "--extra-sequences", str(tmp_path / "missing.pt"), "8", "0.2"])
     assert result.exit_code == 2 and "missing.pt" in result.output and "--extra-sequences" in result.output
     assert "Traceback" not in result.output and not out.exists()
+
+
+class CharTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def test_package_windows_never_read_the_evaluation_packages_or_vendored_copies(tmp_path):
+    from trtllm_dflash.train.packages import package_windows
+
+    for rel, marker in (("numpy/core.py", "a"), ("numpy/_vendor/rich.py", "v"), ("click/core.py", "c")):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(marker * 40000)
+    windows = package_windows(CharTokenizer(), 8, 16, seed=1, root=tmp_path, packages=("numpy", "absent"))
+    assert len(windows) == 8 and {c for w in windows for c in w} == {ord("a")}
+    assert windows == package_windows(CharTokenizer(), 8, 16, seed=1, root=tmp_path, packages=("numpy",))
+    with pytest.raises(ValueError, match="third-party evaluation"):
+        package_windows(CharTokenizer(), 8, 16, seed=1, root=tmp_path, packages=("numpy", "click"))
