@@ -69,9 +69,10 @@ class AcceptanceEstimate:
 @dataclass
 class ConfidenceCalibration:
     """P(a neural draft is accepted | every draft before it was) as a function of the drafter's own
-    confidence in it (the probability it gave the drafted token), per confidence bucket, from decaying
-    counts. The prior of a bucket is its midpoint: a calibrated drafter's confidence is its acceptance
-    (on the embedded pair, from 0.06 in the lowest tenth to 0.96 in the highest)."""
+    confidence in it (the peak probability of the draft's distribution; for a greedy draft, the
+    probability of the drafted token), per confidence bucket, from decaying counts. The prior of a
+    bucket is its midpoint: a calibrated drafter's confidence is its acceptance (on the embedded pair,
+    from 0.06 in the lowest tenth to 0.96 in the highest)."""
 
     buckets: int = 10
     decay: float = 0.98  # per observed step
@@ -148,8 +149,8 @@ class AdaptiveDraftLength:
         """After a drafter step: how many of the `most` drafts to verify, K in [1, most], the argmax of
         expected tokens / cost["neural"][K] where each neural row's acceptance follows its drafts'
         confidences (`ConfidenceCalibration`) and each of `suffix_rows` rows of suffix drafts follows
-        the suffix source's estimate. Lossless like any K: it depends on the drafts only, never on the
-        target. Replaces the step's K in `chosen`."""
+        the suffix source's estimate. Lossless like any K: it depends on the drafter's distributions only,
+        never on the target or the tokens drawn. Replaces the step's K in `chosen`."""
         most = min(most, self.most)
         expected = [0.0] * (most + 1)
         rows = [self.calibration.expected_tokens(row[:most]) for row in confidences]

@@ -106,9 +106,14 @@ class DFlashProposer:
             return anchors.new_zeros(len(anchors), 0), None
         drafts, q = self.draft(anchors, anchor_positions, num_drafts, params, generator)
         if self.policy is not None:  # the whole block is drafted; its confidences say how much to verify
-            k = self.policy.truncate(self.confidence.tolist(), num_drafts)
-            drafts, q, self.confidence = drafts[:, :k], None if q is None else q[:, :k], self.confidence[:, :k]
+            drafts, q = self.keep_first(self.policy.truncate(self.confidence.tolist(), num_drafts), drafts, q)
         return drafts, q
+
+    def keep_first(self, k: int, drafts: torch.Tensor,
+                   q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first k of a drafted block's drafts, their distributions and `confidence`: what the step verifies."""
+        self.confidence = self.confidence[:, :k]
+        return drafts[:, :k], None if q is None else q[:, :k]
 
     def draft(self, anchors, anchor_positions, num_drafts, params, generator):
         """One drafter step: `num_drafts` drafts per row and, when sampling, their distributions. With
@@ -277,8 +282,7 @@ class SuffixDFlashProposer:
             confidence = self.dflash.confidence.tolist()
             k = self.policy.truncate([confidence[i] for i in self.neural_rows()], num_drafts,
                                      suffix_rows=sum(self.suffix_rows))
-            drafts, q = drafts[:, :k], None if q is None else q[:, :k]
-            self.dflash.confidence = self.dflash.confidence[:, :k]
+            drafts, q = self.dflash.keep_first(k, drafts, q)
         return drafts, q
 
     def neural_rows(self) -> list[int]:

@@ -9,6 +9,7 @@ one run (a batch must have one length).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,21 +19,28 @@ from ..errors import InputError
 from ..models.target import GptOssTarget
 
 
+def sample_windows(texts: Iterable[str], tokenizer, count: int, length: int, seed: int, stride: int,
+                   share: float) -> list[list[int]]:
+    """Deterministic windows of `length` tokens: of each text's windows starting every `stride` tokens a
+    random `share` is kept (in text order, one draw per window), then `count` of all are drawn."""
+    gen = torch.Generator().manual_seed(seed)
+    windows: list[list[int]] = []
+    for text in texts:
+        ids = tokenizer.encode(text)
+        for start in range(0, max(len(ids) - length, 0), stride):
+            if torch.rand((), generator=gen) < share:
+                windows.append(ids[start: start + length])
+    order = torch.randperm(len(windows), generator=gen)[:count].tolist()
+    return [windows[i] for i in order]
+
+
 def snippets_from_corpus(tokenizer, count: int, length: int, seed: int, stride: int) -> list[list[int]]:
     """Deterministic prompts of `length` tokens cut from the stdlib training split: a random half
     of the windows starting every `stride` tokens (2.67 M training tokens: stride 256 gives about
     5,200 prompts of 64 tokens, stride 64 about 20,900)."""
     from .corpus import iter_texts
 
-    gen = torch.Generator().manual_seed(seed)
-    prompts: list[list[int]] = []
-    for text in iter_texts("train"):
-        ids = tokenizer.encode(text)
-        for start in range(0, max(len(ids) - length, 0), stride):
-            if torch.rand((), generator=gen) < 0.5:
-                prompts.append(ids[start: start + length])
-    order = torch.randperm(len(prompts), generator=gen)[:count].tolist()
-    return [prompts[i] for i in order]
+    return sample_windows(iter_texts("train"), tokenizer, count, length, seed, stride, 0.5)
 
 
 def prompts_from_file(path: Path, tokenizer, length: int) -> list[list[int]]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from . import corpus
+from .data import sample_windows
 
 EVALUATION_PACKAGES = ("click", "rich", "pydantic", "jinja2", "yaml", "hypothesis", "safetensors", "packaging")
 TRAINING_PACKAGES = ("sympy", "networkx", "numpy", "pygments", "matplotlib", "huggingface_hub", "_pytest", "fsspec",
@@ -29,27 +30,16 @@ WINDOW_STRIDE, WINDOW_SHARE = 256, 0.25
 
 def package_windows(tokenizer, count: int, length: int, seed: int, root: Path | None = None,
                     packages: tuple[str, ...] = TRAINING_PACKAGES) -> list[list[int]]:
-    """`count` deterministic windows of `length` tokens: of each file's windows starting every
-    WINDOW_STRIDE tokens a random WINDOW_SHARE is kept, then `count` of all are drawn. Packages that are not
-    installed under `root` (default: site-packages) are skipped."""
+    """`count` deterministic windows of `length` tokens of the packages' files (`sample_windows`: a random
+    WINDOW_SHARE of the windows starting every WINDOW_STRIDE tokens). Packages that are not installed
+    under `root` (default: site-packages) are skipped."""
     overlap = set(packages) & set(EVALUATION_PACKAGES)
     if overlap:
         raise ValueError(f"{sorted(overlap)} feed the third-party evaluation set; training on them would leak it")
     root = root or Path(sysconfig.get_paths()["purelib"])
-    gen = torch.Generator().manual_seed(seed)
-    windows: list[list[int]] = []
-    for package in packages:
-        if not (root / package).is_dir():
-            continue
-        for rel in corpus.list_files(root / package):
-            if "_vendor" in rel or "vendored" in rel:
-                continue
-            ids = tokenizer.encode(corpus.read_source(root / package / rel))
-            for start in range(0, max(len(ids) - length, 0), WINDOW_STRIDE):
-                if torch.rand((), generator=gen) < WINDOW_SHARE:
-                    windows.append(ids[start: start + length])
-    order = torch.randperm(len(windows), generator=gen)[:count].tolist()
-    return [windows[i] for i in order]
+    texts = (corpus.read_source(root / package / rel) for package in packages if (root / package).is_dir()
+             for rel in corpus.list_files(root / package) if "_vendor" not in rel and "vendored" not in rel)
+    return sample_windows(texts, tokenizer, count, length, seed, WINDOW_STRIDE, WINDOW_SHARE)
 
 
 def main() -> None:
