@@ -1,5 +1,6 @@
-"""`CastLinear` (the drafter's GEMMs in another dtype), how `--drafter-gemm-dtype` resolves, and the
-target's LM head on blocks of rows (oneDNN's prepacked GEMM) against the plain float32 GEMM."""
+"""`CastLinear` (frozen GEMMs laid out for the inference path, the drafter's in another dtype), which
+GEMMs a narrower dtype serves, how `--drafter-gemm-dtype` resolves, and the target's LM head on
+blocks of rows against the plain float32 GEMM."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from torch.nn import functional as F
 
 from trtllm_dflash.models import linear
-from trtllm_dflash.models.linear import CastLinear, drafter_gemm_dtype
+from trtllm_dflash.models.linear import NARROW_MIN_WEIGHTS, CastLinear, drafter_gemm_dtype, gemm_dtype
 from trtllm_dflash.models.random_pair import random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
 
@@ -28,9 +29,16 @@ def test_cast_linear_is_a_rounded_linear_in_the_input_dtype(shape, with_bias):
     torch.testing.assert_close(got, exact, rtol=0.03, atol=0.05 * float(exact.abs().max()))
     native = CastLinear(weight, bias, torch.bfloat16).native(x)  # the GEMM's own dtype, not cast back
     assert native.dtype == torch.bfloat16 and torch.equal(native.float(), got)
-    # the same dtype in and out: the plain GEMM, exactly
-    assert torch.equal(CastLinear(weight, bias, torch.float32)(x), F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
-                       .view(exact.shape))
+    # the same dtype in and out: the plain GEMM, to float32 rounding (MKL on the weight stored [in, out])
+    plain = CastLinear(weight, bias, torch.float32)
+    assert plain.weight.shape == weight.shape and plain.weight.t().is_contiguous()
+    torch.testing.assert_close(plain(x), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_cast_linear_passes_gradients_to_its_input():
+    weight, x = torch.randn(6, 4), torch.randn(3, 4, requires_grad=True)
+    CastLinear(weight, torch.zeros(6), torch.float32)(x).sum().backward()
+    torch.testing.assert_close(x.grad, weight.sum(0).expand(3, -1))
 
 
 def test_cast_linear_without_onednn_uses_a_bf16_weight_copy(monkeypatch):
@@ -39,7 +47,16 @@ def test_cast_linear_without_onednn_uses_a_bf16_weight_copy(monkeypatch):
     weight, x = torch.randn(16, 8), torch.randn(3, 8)
     layer = CastLinear(weight, None, torch.bfloat16)
     assert not layer.packed and layer.weight.dtype == torch.bfloat16
-    assert torch.equal(layer(x), F.linear(x.bfloat16(), weight.bfloat16()).float())
+    torch.testing.assert_close(layer(x), F.linear(x.bfloat16(), weight.bfloat16()).float(), rtol=0.01, atol=0.01)
+
+
+def test_a_narrower_gemm_dtype_serves_only_large_weights():
+    """A small GEMM is bound by the call, not by reading its weight: it keeps the weight's dtype."""
+    large, small = torch.empty(NARROW_MIN_WEIGHTS // 256, 256), torch.empty(1024, 256)
+    assert gemm_dtype(large, torch.bfloat16) == torch.bfloat16
+    assert gemm_dtype(small, torch.bfloat16) == torch.float32
+    assert gemm_dtype(small, None) == torch.float32
+    assert gemm_dtype(small.bfloat16(), torch.float32) == torch.float32  # a wider dtype is never refused
 
 
 def test_drafter_gemm_dtype_resolution(monkeypatch):
@@ -55,8 +72,7 @@ def test_drafter_gemm_dtype_resolution(monkeypatch):
 
 
 def test_target_lm_head_on_a_block_matches_row_by_row():
-    """A verify block's logits (oneDNN's packed GEMM on CPU) equal each row's own (MKL's GEMV) to
-    float32 rounding."""
+    """A verify block's logits equal each row's own to float32 rounding."""
     target = GptOssTarget(random_target(tiny_target_config(), seed=3).float())
     hidden = torch.randn(2, 8, target.hidden_size)
     block = target.lm_head(hidden)

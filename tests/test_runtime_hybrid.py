@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trtllm_dflash.errors import InputError
+from trtllm_dflash.models import linear
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.runtime.draft_length import (AcceptanceEstimate, AdaptiveDraftLength, ConfidenceCalibration,
@@ -345,10 +346,14 @@ def test_the_hybrid_refuses_a_policy_on_its_dflash_proposer(random_pair):
         SuffixDFlashProposer(DFlashProposer(drafter, target, policy=policy), 2, policy=policy)
 
 
-def test_bfloat16_drafter_gemms_stay_token_identical_and_close(random_pair):
+def test_bfloat16_drafter_gemms_stay_token_identical_and_close(random_pair, monkeypatch):
     """With the drafter step's GEMMs in bf16 (`matmul_dtype`), its hidden states and draft logits differ
-    from the float32 ones by bf16 rounding only, and DFlash and the hybrid stay token-identical to generate."""
+    from the float32 ones by bf16 rounding only, and DFlash and the hybrid stay token-identical to generate.
+    (The random pair's GEMMs are all small, which bf16 would not serve: every one is narrowed here.)"""
     target, drafter, prompts, expected = random_pair
+    assert DFlashProposer(drafter, target, matmul_dtype=torch.bfloat16).head.dtype == torch.float32
+    monkeypatch.setattr(linear, "NARROW_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(drafter, "_fused", None)  # fused weights built under the default rule
     params = SamplingParams(max_tokens=24)
     fast = DFlashProposer(drafter, target, matmul_dtype=torch.bfloat16)
     for proposer in (fast, SuffixDFlashProposer(DFlashProposer(drafter, target, matmul_dtype=torch.bfloat16), 2)):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import trtllm_dflash.runtime.reference as reference
+from trtllm_dflash.models import linear
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.runtime.accept import rejection_accept
@@ -103,12 +104,15 @@ def test_hybrid_samples_follow_target_distribution(pair):
 
 
 @pytest.mark.parametrize("neural_costs", [[1.0, 1.1, 1.2, 1.3], [1.0, 2.0, 2.1, 2.2]])
-def test_adaptive_draft_length_with_bf16_drafter_gemms_samples_follow_target_distribution(pair, neural_costs):
+def test_adaptive_draft_length_with_bf16_drafter_gemms_samples_follow_target_distribution(pair, neural_costs,
+                                                                                         monkeypatch):
     """dflash-sa at T=0.7 with a K chosen per step from past acceptance and the draft distribution q
-    from a drafter whose GEMMs (LM head included) run in bf16: still the target's distribution. Where
-    drafting rarely pays (second cost table) the policy takes steps without drafts (K = 0) between its
-    drafts."""
+    from a drafter whose GEMMs (LM head included; all of them, small as they are) run in bf16: still the
+    target's distribution. Where drafting rarely pays (second cost table) the policy takes steps
+    without drafts (K = 0) between its drafts."""
     hf, target, drafter = pair
+    monkeypatch.setattr(linear, "NARROW_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(drafter, "_fused", None)
     def params(seed):
         return SamplingParams(max_tokens=3, temperature=0.7, seed=seed)
     policy = AdaptiveDraftLength({"neural": neural_costs, "suffix": [1.0, 1.1, 1.2, 1.3]})

@@ -1,18 +1,23 @@
-"""Linear maps whose GEMM runs in another dtype than the activations around it (the drafter's bf16 path).
+"""Frozen linear maps laid out for the inference path, their GEMM in a chosen dtype (`CastLinear`).
 
-A draft need not be exact -- the target verifies every token -- and on a small model a drafter step is
-bound by reading its weights, so its GEMMs may read bf16 weights and bf16 inputs while norms, RoPE,
-attention and the residual stream stay float32 (the output is cast back). On CPU the bf16 weight is
-reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`, what inductor's CPU
-freezing pass does for bf16 linears); without that, MKL repacks the weight on every call and gains
-little over float32 at a handful of rows (docs/benchmarks.md, round 4). Elsewhere (CUDA) it is
-`F.linear` on a bf16 weight copy.
+Two facts about small GEMMs on this project's CPUs shape it (docs/benchmarks.md, round 7):
+- MKL runs a few-row GEMM 1.3-2x faster on a weight stored [in, out] than on the [out, in] one that
+  `F.linear` hands it as a transposed view, so on CPU the weight is copied once, transposed.
+- A draft need not be exact -- the target verifies every token -- and a GEMM bound by reading its
+  weight (the drafter's LM head) halves its bytes in bf16 through oneDNN, whose CPU path takes the
+  weight reordered once into its blocked layout (`mkldnn._reorder_linear_weight`, what inductor's CPU
+  freezing pass does for bf16 linears). But a oneDNN call costs ~25 us more than MKL's, more than a
+  small GEMM's halved bytes give back, so a narrower dtype only serves GEMMs with at least
+  `NARROW_MIN_WEIGHTS` weights (`gemm_dtype`): the LM head here, every GEMM of a gpt-oss-120b drafter.
+Elsewhere (CUDA) a GEMM is `F.linear` on the weight copy.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.nn import functional as F
+
+NARROW_MIN_WEIGHTS = 1 << 20  # a 4096 x 256 LM head; a drafter's q/k/v, MLP are 2-8x smaller
 
 
 def onednn_packs(dtype: torch.dtype, device: torch.device) -> bool:
@@ -38,33 +43,52 @@ def native_bf16(device: torch.device) -> bool:
     return device.type == "cuda" or onednn_packs(torch.bfloat16, device)
 
 
+def gemm_dtype(weight: torch.Tensor, wanted: torch.dtype | None) -> torch.dtype:
+    """The dtype of a GEMM over `weight` when `wanted` is asked (None: the weight's own): a narrower
+    dtype only for a weight of at least `NARROW_MIN_WEIGHTS` (see the module's docstring)."""
+    if wanted is None or (wanted.itemsize < weight.dtype.itemsize and weight.numel() < NARROW_MIN_WEIGHTS):
+        return weight.dtype
+    return wanted
+
+
 class CastLinear:
     """y = x @ W.T + b with W, b and the GEMM's input in `dtype`; y comes back in x's dtype.
-    Built once from (copies of) the weight; the caller rebuilds it when the weight changes."""
+    Built once from (copies of) the weight; the caller rebuilds it when the weight changes. Gradients
+    flow to x (not to the copies) except through oneDNN's packed op, which has none.
+
+    A step of a small model is bound by the count of ops Python dispatches (~10 us each inside a step
+    on this project's CPU, views and no-op casts included), so a GEMM in the input's dtype is the one
+    `F.linear` call, which folds a contiguous 3-D input into a 2-D GEMM itself; on CPU its weight is the
+    [out, in] view of a copy stored [in, out], which `F.linear` transposes back for MKL."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         self.dtype, self.out_features = dtype, weight.shape[0]
         weight = weight.detach().to(dtype)
         self.bias = None if bias is None else bias.detach().to(dtype)
         self.packed = onednn_packs(dtype, weight.device)
-        self.weight = prepack(weight) if self.packed else weight
+        if self.packed:
+            self.weight = prepack(weight)
+        else:  # MKL on CPU reads the weight row-major [in, out]
+            self.weight = weight.t().contiguous().t() if weight.device.type == "cpu" else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.native(x).to(x.dtype)
+        y = self.native(x)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
         """y in `dtype`, the GEMM's own, not cast back: for a consumer that takes it as it is (a residual
         add promotes it; the next GEMM of the same dtype reads it directly), one copy less each way."""
-        flat = x.reshape(-1, x.shape[-1]).to(self.dtype)  # 2-D: a 3-D input sends F.linear to a batched matmul
-        if self.packed:
-            y = packed_linear(flat, self.weight, self.bias)
-        else:
-            y = F.linear(flat, self.weight, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+        if x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        if not self.packed:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, x.shape[-1])  # oneDNN's op takes 2-D inputs
+        return packed_linear(flat, self.weight, self.bias).view(*x.shape[:-1], self.out_features)
 
 
 def drafter_gemm_dtype(choice: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
-    """`dflash-run --drafter-gemm-dtype` -> `DFlashProposer(matmul_dtype=...)` (None: the model's dtype).
+    """`dflash-run --drafter-gemm-dtype` -> `DFlashProposer(matmul_dtype=...)` (None: the model's dtype),
+    the dtype of the drafter step's GEMMs where `gemm_dtype` admits it.
     auto: bfloat16 for a float32 drafter where bf16 GEMMs are native here, else the model's dtype."""
     if choice == "auto":
         return torch.bfloat16 if model_dtype == torch.float32 and native_bf16(device) else None

@@ -9,7 +9,8 @@ weights, gpt-fast style, because the loop needs three things transformers' gener
 * the residual stream after selected decoder layers (the DFlash features).
 
 On a tiny model a step is bound by per-op overhead, not FLOPs, so the forward keeps the op count
-low: q/k/v come from one GEMM (weights fused at load), RoPE rotates
+low: q/k/v come from one GEMM (weights fused at load; every dense GEMM reads a frozen copy laid out
+for it, `CastLinear`), RoPE rotates
 q and k in one go, each step builds one additive mask per window kind for all layers, attention is
 one fused kernel on CPU, and the MoE multiplies only the experts a block routes to (`routed_experts`),
 reading them from exact bf16 copies where the checkpoint's experts allow (`compact_copy`).
@@ -28,7 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .kv_cache import KVArena
-from .linear import packed_linear, prepack
+from .linear import CastLinear
 from .rope import Rotary, rotate
 
 
@@ -174,21 +175,18 @@ class GptOssTarget(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.groups = self.num_heads // self.num_kv_heads
+        dtype = hf_model.lm_head.weight.dtype
+        self.qkv, self.o_proj = [], []  # frozen copies laid out for the GEMM (`CastLinear`)
         for i, layer in enumerate(hf_model.model.layers):
-            weight, bias = fuse_qkv(layer.self_attn)
-            self.register_buffer(f"qkv_weight_{i}", weight, persistent=False)
-            self.register_buffer(f"qkv_bias_{i}", bias, persistent=False)
-            sinks = layer.self_attn.sinks.detach().float().view(self.num_kv_heads, self.groups, 1)
+            attn = layer.self_attn
+            self.qkv.append(CastLinear(*fuse_qkv(attn), dtype))
+            self.o_proj.append(CastLinear(attn.o_proj.weight, attn.o_proj.bias, dtype))
+            sinks = attn.sinks.detach().float().view(self.num_kv_heads, self.groups, 1)
             self.register_buffer(f"sinks_{i}", sinks, persistent=False)
             experts = layer.mlp.experts
             self.register_buffer(f"gate_up_{i}", compact_copy(experts.gate_up_proj), persistent=False)
             self.register_buffer(f"down_{i}", compact_copy(experts.down_proj), persistent=False)
-        head = hf_model.lm_head.weight.detach()
-        # For a block of rows (a verify, draft logits) oneDNN's prepacked GEMM reads the 4096 x 256 head in
-        # half MKL's time on this project's CPU; for one row (an AR step) MKL's GEMV is the faster. The op
-        # has no autograd: training (gradients through the head into the drafter) takes F.linear.
-        self.packed_head = (prepack(head) if head.device.type == "cpu" and head.dtype == torch.float32
-                            and torch.backends.mkldnn.is_available() else None)
+        self.head = CastLinear(hf_model.lm_head.weight, hf_model.lm_head.bias, dtype)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -219,15 +217,9 @@ class GptOssTarget(nn.Module):
         return self.hf.model.embed_tokens(tokens)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits from a hidden state that is already final-normed (the drafter's output is). As one
-        2-D GEMM: a 3-D (or sliced) input sends F.linear to a batched matmul, several times slower."""
-        flat, head = hidden.reshape(-1, hidden.shape[-1]), self.hf.lm_head
-        if (self.packed_head is not None and len(flat) > 1 and not flat.requires_grad and flat.device.type == "cpu"
-                and flat.dtype == torch.float32):
-            logits = packed_linear(flat, self.packed_head, head.bias)
-        else:
-            logits = F.linear(flat, head.weight, head.bias)
-        return logits.view(*hidden.shape[:-1], -1).float()
+        """Logits from a hidden state that is already final-normed (the drafter's output is), through
+        the head's `CastLinear` copy (gradients reach `hidden`: training backpropagates through it)."""
+        return self.head(hidden).float()
 
     def attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                   cache: KVArena, kv_len: int, mask: torch.Tensor) -> torch.Tensor:
@@ -238,7 +230,7 @@ class GptOssTarget(nn.Module):
         if hooked(attn.q_proj, attn.k_proj, attn.v_proj):
             qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
         else:
-            qkv = F.linear(h, getattr(self, f"qkv_weight_{i}"), getattr(self, f"qkv_bias_{i}"))
+            qkv = self.qkv[i](h)
         qkv = qkv.view(b, t, -1, self.head_dim)
         qk = rotate(qkv[:, :, : hq + hkv], cos, sin)  # q and k heads side by side: one rotation
         cache.write(i, positions, qk[:, :, hq:], qkv[:, :, hq + hkv:])
@@ -248,7 +240,7 @@ class GptOssTarget(nn.Module):
             out = fused_attention(q, keys, values, mask, getattr(self, f"sinks_{i}"), self.scale)
         else:
             out = sink_attention(q, keys, values, mask, attn.sinks, self.scale)
-        return attn.o_proj(out)
+        return attn.o_proj(out) if hooked(attn.o_proj) else self.o_proj[i](out)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVArena,

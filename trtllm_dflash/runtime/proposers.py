@@ -15,11 +15,11 @@ import torch
 
 from ..errors import InputError
 from ..models.drafter import DFlashDrafter
-from ..models.linear import CastLinear
+from ..models.linear import CastLinear, gemm_dtype
 from ..models.target import GptOssTarget
 from .accept import sample_from_probs
 from .draft_length import AdaptiveDraftLength
-from .sampling import SamplingParams, probabilities
+from .sampling import SamplingParams, greedy_tokens, probabilities
 from .suffix_index import SuffixIndex
 
 
@@ -56,11 +56,11 @@ class DFlashProposer:
     With a `policy` (`AdaptiveDraftLength`) each step first decides whether to draft at all; a drafter
     step drafts the whole block (at most the loop's K) and verifies as many drafts as their confidences
     pay for (`AdaptiveDraftLength.truncate`).
-    With `matmul_dtype` (e.g. bfloat16) every GEMM of the drafter step -- the context projection,
-    the layers and the draft logits from a copy of the target's LM head -- runs in that dtype
-    (`CastLinear`), the rest in the drafter's own: drafts need not be exact (the target verifies them;
-    sampled drafts carry the q they were drawn from), and a step of a small drafter is bound by
-    reading its weights, the LM head's 4 MB above all.
+    With `matmul_dtype` (e.g. bfloat16) the GEMMs of the drafter step -- the context projection, the
+    layers and the draft logits from a copy of the target's LM head -- run in that dtype where they are
+    large enough to gain from it (`gemm_dtype`: here the LM head, 4 MB in float32), the rest in the
+    drafter's own: drafts need not be exact (the target verifies them; sampled drafts carry the q
+    they were drawn from).
     """
 
     needs_history = False
@@ -69,8 +69,10 @@ class DFlashProposer:
                  policy: AdaptiveDraftLength | None = None, matmul_dtype: torch.dtype | None = None):
         cfg = drafter.config
         self.drafter, self.target, self.policy, self.matmul_dtype = drafter, target, policy, matmul_dtype
-        self.head = None if matmul_dtype is None else CastLinear(target.hf.lm_head.weight, target.hf.lm_head.bias,
-                                                                 matmul_dtype)
+        self.head = None
+        if matmul_dtype is not None:
+            head = target.hf.lm_head
+            self.head = CastLinear(head.weight, head.bias, gemm_dtype(head.weight, matmul_dtype))
         self.block_size = block_size or cfg.block_size
         self.num_drafts = self.block_size - 1
         self.keep_confidence = policy is not None  # the adaptive policy sizes a drafted block by it
@@ -131,7 +133,7 @@ class DFlashProposer:
         if params.greedy:
             if self.keep_confidence:
                 self.confidence = torch.softmax(logits, dim=-1).amax(dim=-1)
-            return logits.argmax(dim=-1), None
+            return greedy_tokens(logits), None
         q = probabilities(logits, params)
         if self.keep_confidence:
             self.confidence = q.amax(dim=-1)

@@ -23,7 +23,7 @@ from ..models.target import GptOssTarget
 from .accept import greedy_accept, rejection_accept, sample_from_probs
 from .interface import Cancelled, OnTokens, check_request
 from .proposers import Proposer
-from .sampling import SamplingParams, probabilities
+from .sampling import SamplingParams, greedy_tokens, probabilities
 from .stats import GenerationInterrupted, GenerationResult, RequestStats
 
 
@@ -35,7 +35,7 @@ def synchronize(device: torch.device) -> None:
 def pick_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
     """The target's own choice from logits [b, V]: argmax, or a sample."""
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     uniforms = torch.rand(logits.shape[:-1], generator=generator, device=logits.device)
     return sample_from_probs(probabilities(logits, params), uniforms)
 
@@ -80,7 +80,7 @@ def verify_step(target: GptOssTarget, cache, proposer: Proposer | None, anchors:
     feature_layers = proposer.feature_layers if proposer is not None else []
     logits, features = target(block, block_positions, cache, feature_layers)
     if params.greedy:
-        num_accepted, bonus = greedy_accept(drafts, logits.argmax(dim=-1))
+        num_accepted, bonus = greedy_accept(drafts, greedy_tokens(logits))
     else:
         p = probabilities(logits, params)
         if q is None:  # deterministic drafts: q is one-hot at the draft token

@@ -13,6 +13,7 @@ import torch
 from ..models.drafter import DFlashDrafter
 from ..models.target import GptOssTarget
 from ..runtime.accept import accepted_prefix_length
+from ..runtime.sampling import greedy_tokens
 
 
 def sample_anchors(num_sequences: int, anchors: int, first: int, last: int, gen: torch.Generator) -> torch.Tensor:
@@ -66,7 +67,7 @@ def replay_walk(drafter: DFlashDrafter, target: GptOssTarget, sequences: torch.T
         tokens[:, 0] = sequences.gather(1, at[:, None])[:, 0]
         with torch.inference_mode():
             hidden = drafter(target.embed(tokens), positions, cache, at)
-            drafts = target.lm_head(hidden[:, 1:].to(target.dtype)).argmax(dim=-1)
+            drafts = greedy_tokens(target.lm_head(hidden[:, 1:].to(target.dtype)))
             # the forward keeps the block's K/V in the slots just past each context, which here hold
             # context for later anchors: write those positions' context back
             block_features = features.gather(1, positions[..., None].expand(-1, -1, features.shape[-1]))
