@@ -244,13 +244,14 @@ class DFlashDrafter(nn.Module):
             return fused_attention(q, keys, values, block.mask, None, self.scale)
         return sink_attention(q, keys, values, block.mask, None, self.scale)
 
-    def block_layout(self, context_lens: torch.Tensor, width: int, dtype: torch.dtype) -> BlockLayout:
+    def block_layout(self, context_lens: torch.Tensor, width: int, dtype: torch.dtype,
+                     length: int | None = None) -> BlockLayout:
         """`block_attention`'s layout for a block of `width` slots, built once per step for all layers:
         the bool mask, or on CPU the additive bias the fused kernel takes. A lone request writes its
         block as one span and, while the window does not cut its context, sees every slot it reads, so
-        it needs no mask (a dozen ops less)."""
+        it needs no mask (a dozen ops less). `length`: max(context_lens) + width where the caller knows it."""
         cfg = self.config
-        length = int(context_lens.max()) + width
+        length = int(context_lens.max()) + width if length is None else length
         if len(context_lens) == 1:
             slots = length - width
             if cfg.sliding_window is None or length <= cfg.sliding_window:
@@ -287,7 +288,7 @@ class DFlashDrafter(nn.Module):
         the stacked k/v weights -> each layer's k_norm -> RoPE.
         `matmul_dtype`: the GEMMs' dtype (`CastLinear`; None: the parameters')."""
         cfg = self.config
-        features = features.to(self.dtype)
+        features = features if features.dtype == self.dtype else features.to(self.dtype)
         if isinstance(positions, int):
             cos, sin = self.rotary.span(positions, features.shape[1], self.dtype, features.device)
         else:  # positions index the arena, so they lie below its capacity: no reduction to bound the table
@@ -318,20 +319,25 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     @torch.inference_mode()
-    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, cache: KVArena,
+    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor | int, cache: KVArena,
                 context_lens: torch.Tensor, matmul_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Draft one block per request: embeds [b, B, H] at positions [b, B]; request i sees its
-        context positions [0, context_lens[i]). Returns the final-normed hidden states [b, B, H].
+        """Draft one block per request: embeds [b, B, H] at positions [b, B] (or, for a lone request, the
+        int position of its anchor, which is its context length); request i sees its context positions
+        [0, context_lens[i]). Returns the final-normed hidden states [b, B, H].
         `matmul_dtype`: the GEMMs' dtype (`CastLinear`; None: the parameters').
 
         The block's K/V go to arena slots [context_lens[i], context_lens[i] + B) (the cache must have
         room for them), which hold no context: the next `write_context` overwrites them."""
         cfg = self.config
-        x = block_embeds.to(self.dtype)
+        x = block_embeds if block_embeds.dtype == self.dtype else block_embeds.to(self.dtype)
         b, width, _ = x.shape
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        cos, sin = self.rotary(block_positions, x.dtype)
-        block = self.block_layout(context_lens, width, x.dtype)
+        if isinstance(block_positions, int):  # no reductions over tensors: a lone request's step is op-bound
+            cos, sin = self.rotary.span(block_positions, width, x.dtype, x.device)
+            block = self.block_layout(context_lens, width, x.dtype, block_positions + width)
+        else:
+            cos, sin = self.rotary(block_positions, x.dtype)
+            block = self.block_layout(context_lens, width, x.dtype)
         if self.bypassed_modules_hooked():
             return self.run_layers(x, cos, sin, lambda i, q, k, v: self.block_attention(
                 i, q, k.transpose(1, 2), v.transpose(1, 2), cache, context_lens, block))

@@ -90,17 +90,21 @@ class DFlashProposer:
         self.columns = torch.arange(capacity, device=device)
         self.block = torch.full((batch, self.block_size), self.mask_token_id, dtype=torch.long, device=device)
 
-    def write_pending_context(self) -> None:
+    def write_pending_context(self) -> int | None:
         """Write the queued committed positions' context K/V (before drafting, and on steps whose
-        drafts come from elsewhere, so the draft cache never falls behind the committed tokens)."""
-        if len(self.context_lens) == 1:  # a lone request's positions follow its context: one span
+        drafts come from elsewhere, so the draft cache never falls behind the committed tokens).
+        Returns a lone request's context length after the write (its anchor's position), else None."""
+        lone = len(self.context_lens) == 1
+        if lone:  # a lone request's positions follow its context: one span
             positions = int(self.context_lens[0])
         else:  # A row's entries past its own pending length are padding: they land past its context, where
             # nothing reads them before they are overwritten; the clamp keeps them inside the arena.
             positions = (self.context_lens[:, None] + self.columns[: self.pending.shape[1]]).clamp_(max=self.cache.capacity - 1)
         self.drafter.write_context(self.pending, positions, self.cache, self.matmul_dtype)
         self.context_lens += self.pending_lens
+        written = self.pending.shape[1]  # a lone request's queue is exactly its pending length wide
         self.pending, self.pending_lens = self.pending[:, :0], self.pending_lens.zero_()
+        return positions + written if lone else None
 
     def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
         drafting = num_drafts > 0 if self.policy is None else self.policy.choose("neural", num_drafts) > 0
@@ -123,11 +127,11 @@ class DFlashProposer:
         greedy draft's probability): a function of the distributions, never of the tokens drawn from
         them, so a K chosen by it keeps rejection sampling exact (one chosen by the drawn token's own
         probability would not: the drafts it keeps would no longer be distributed as q)."""
-        self.write_pending_context()
+        lone_anchor = self.write_pending_context()
         width = num_drafts + 1
         block = self.block[:, :width]
         block[:, 0] = anchors
-        positions = anchor_positions[:, None] + self.columns[:width]
+        positions = anchor_positions[:, None] + self.columns[:width] if lone_anchor is None else lone_anchor
         hidden = self.drafter(self.target.embed(block), positions, self.cache, self.context_lens, self.matmul_dtype)
         logits = self.draft_logits(hidden[:, 1:])
         if params.greedy:
@@ -143,8 +147,8 @@ class DFlashProposer:
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float logits [b, K, V] of the drafter's final-normed hidden states [b, K, H]."""
         if self.head is None:
-            return self.target.lm_head(hidden.to(self.target.dtype))
-        return self.head(hidden).float()
+            return self.target.lm_head(hidden if hidden.dtype == self.target.dtype else hidden.to(self.target.dtype))
+        return self.head(hidden)  # in the hidden states' dtype, float32 here
 
     def commit(self, features, num_accepted):
         """Queue the committed positions' features; usually the queue is empty (one step's worth),
@@ -158,7 +162,9 @@ class DFlashProposer:
 
     def keep_rows(self, rows):
         self.cache.keep_rows(rows)
-        self.context_lens, self.pending, self.pending_lens = self.context_lens[rows], self.pending[rows], self.pending_lens[rows]
+        self.context_lens, self.pending_lens = self.context_lens[rows], self.pending_lens[rows]
+        # as wide as the longest queue left, so a lone request's queue is its own length wide
+        self.pending = self.pending[rows, : int(self.pending_lens.max())]
         self.block = self.block[rows]
 
 
