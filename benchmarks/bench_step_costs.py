@@ -36,7 +36,7 @@ import torch
 from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
 from trtllm_dflash.models.drafter import load_drafter
 from trtllm_dflash.models.drafter_config import DFlashConfig
-from trtllm_dflash.models.linear import drafter_gemm_dtype
+from trtllm_dflash.models.linear import drafter_gemm_dtype, gemm_dtype
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
 from trtllm_dflash.runtime.proposers import DFlashProposer
@@ -107,14 +107,14 @@ def target_bytes(target: GptOssTarget, experts_touched: float, batch: int, conte
     return dense + experts_touched * per_expert + nbytes(target.hf.lm_head, target.hf.model.norm) + kv
 
 
-def drafter_bytes(drafter, target: GptOssTarget, batch: int, context: float, gemm_dtype: torch.dtype) -> float:
-    """Bytes a drafter step reads: all its weights and the target's LM head (as `gemm_dtype` copies), its
-    context K/V at `context`."""
+def drafter_bytes(drafter, target: GptOssTarget, batch: int, context: float, wanted: torch.dtype | None) -> float:
+    """Bytes a drafter step reads: all its weights and the target's LM head, each in the dtype its GEMM
+    runs in when `wanted` is asked (`gemm_dtype`), its context K/V at `context`."""
     cfg = drafter.config
     window = min(context, cfg.sliding_window or context)
     kv = batch * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4 * window
-    weights = sum(p.numel() for m in (drafter, target.hf.lm_head) for p in m.parameters())
-    return weights * gemm_dtype.itemsize + kv
+    params = [p for m in (drafter, target.hf.lm_head) for p in m.parameters()]
+    return sum(p.numel() * gemm_dtype(p, wanted).itemsize for p in params) + kv
 
 
 def target_flops(cfg, tokens: int, context: float) -> float:
@@ -235,7 +235,7 @@ def main() -> None:
                   "draft": batch * drafter_flops(drafter.config, target.vocab_size, tau, context)}
         byte_floors = {"ar": target_bytes(target, touched.mean(batch, layers), batch, context),
                        "verify": target_bytes(target, touched.mean(batch * block, layers), batch, context),
-                       "draft": drafter_bytes(drafter, target, batch, context, gemm or torch.float32)}
+                       "draft": drafter_bytes(drafter, target, batch, context, gemm)}
         print(f"\nbatch {batch}: DFlash tau {tau:.2f}; lossless vs batch-1 AR: "
               f"DFlash {sum(o == e for o, e in zip(runs['dflash'][-1].outputs, reference))}/{len(prompts)}, "
               f"AR {sum(o == e for o, e in zip(runs['ar'][-1].outputs, reference))}/{len(prompts)}, "

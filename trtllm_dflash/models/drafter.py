@@ -31,7 +31,7 @@ from ..errors import InputError
 from ..plugins.draft_block.reference import context_visibility
 from .drafter_config import DFlashConfig
 from .kv_cache import KVArena
-from .linear import CastLinear, gemm_dtype
+from .linear import CastLinear, cast, gemm_dtype
 from .rope import Rotary, apply_rotary, rotate
 from .target import attention_bias, fused_attention, hooked, sink_attention
 
@@ -288,7 +288,7 @@ class DFlashDrafter(nn.Module):
         the stacked k/v weights -> each layer's k_norm -> RoPE.
         `matmul_dtype`: the GEMMs' dtype (`CastLinear`; None: the parameters')."""
         cfg = self.config
-        features = features if features.dtype == self.dtype else features.to(self.dtype)
+        features = cast(features, self.dtype)
         if isinstance(positions, int):
             cos, sin = self.rotary.span(positions, features.shape[1], self.dtype, features.device)
         else:  # positions index the arena, so they lie below its capacity: no reduction to bound the table
@@ -329,7 +329,7 @@ class DFlashDrafter(nn.Module):
         The block's K/V go to arena slots [context_lens[i], context_lens[i] + B) (the cache must have
         room for them), which hold no context: the next `write_context` overwrites them."""
         cfg = self.config
-        x = block_embeds if block_embeds.dtype == self.dtype else block_embeds.to(self.dtype)
+        x = cast(block_embeds, self.dtype)
         b, width, _ = x.shape
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         if isinstance(block_positions, int):  # no reductions over tensors: a lone request's step is op-bound

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .linear import cast
+
 
 class KVArena:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
@@ -35,8 +37,8 @@ class KVArena:
             self.k[layer][:, :, positions: positions + k.shape[1]] = k.transpose(1, 2)
             self.v[layer][:, :, positions: positions + v.shape[1]] = v.transpose(1, 2)
             return
-        self.k[layer][self.rows, :, positions] = k.to(self.keys.dtype)
-        self.v[layer][self.rows, :, positions] = v.to(self.values.dtype)
+        self.k[layer][self.rows, :, positions] = cast(k, self.keys.dtype)
+        self.v[layer][self.rows, :, positions] = cast(v, self.values.dtype)
 
     def write_all(self, positions: torch.Tensor | int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Every layer at once: positions as for `write`; k/v [b, t, layers, kv_heads, D]."""
@@ -44,8 +46,8 @@ class KVArena:
             self.keys[:, :, :, positions: positions + k.shape[1]] = k.permute(2, 0, 3, 1, 4)
             self.values[:, :, :, positions: positions + v.shape[1]] = v.permute(2, 0, 3, 1, 4)
             return
-        self.keys[:, self.rows, :, positions] = k.to(self.keys.dtype)
-        self.values[:, self.rows, :, positions] = v.to(self.values.dtype)
+        self.keys[:, self.rows, :, positions] = cast(k, self.keys.dtype)
+        self.values[:, self.rows, :, positions] = cast(v, self.values.dtype)
 
     def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` positions of every row (callers mask what a row may not see)."""

@@ -20,6 +20,12 @@ from torch.nn import functional as F
 NARROW_MIN_WEIGHTS = 1 << 20  # a 4096 x 256 LM head; a drafter's q/k/v, MLP are 2-8x smaller
 
 
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`, without dispatching a `.to` that would do nothing: inside a step of a small model
+    every op Python dispatches costs ~10 us on this project's CPU, no-op casts included."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def onednn_packs(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether oneDNN's prepacked linear serves this dtype here: a CPU build with mkldnn, a CPU with
     native bf16 dot products (elsewhere oneDNN emulates bf16, slower than float32)."""
@@ -72,14 +78,12 @@ class CastLinear:
             self.weight = weight.t().contiguous().t() if weight.device.type == "cpu" else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.native(x)
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+        return cast(self.native(x), x.dtype)
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
         """y in `dtype`, the GEMM's own, not cast back: for a consumer that takes it as it is (a residual
         add promotes it; the next GEMM of the same dtype reads it directly), one copy less each way."""
-        if x.dtype != self.dtype:
-            x = x.to(self.dtype)
+        x = cast(x, self.dtype)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, x.shape[-1])  # oneDNN's op takes 2-D inputs

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .kv_cache import KVArena
-from .linear import CastLinear
+from .linear import CastLinear, cast
 from .rope import Rotary, rotate
 
 
@@ -82,7 +82,7 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
         q.reshape(b, hkv, hq // hkv * t, d), k, v, attn_mask=bias, scale=scale)
     if sinks is not None:
         keep = torch.sigmoid(lse.view(b, hkv, hq // hkv, t) - sinks)
-        out = out.view(b, hkv, hq // hkv, t, d) * keep[..., None].to(out.dtype)
+        out = out.view(b, hkv, hq // hkv, t, d) * cast(keep[..., None], out.dtype)
     return out.reshape(b, hq, t, d).transpose(1, 2).reshape(b, t, hq * d)
 
 
@@ -98,7 +98,8 @@ def causal_mask(positions: torch.Tensor, kv_len: int, window: int | None) -> tor
 
 def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """transformers' GptOssRMSNorm (float32 math, weight applied before the cast back) in one op."""
-    return F.rms_norm(x.float(), norm.weight.shape, norm.weight.float(), norm.variance_epsilon).to(x.dtype)
+    return cast(F.rms_norm(cast(x, torch.float32), norm.weight.shape, cast(norm.weight, torch.float32),
+                           norm.variance_epsilon), x.dtype)
 
 
 def routed_experts(x: torch.Tensor, mlp: nn.Module, gate_up_proj: torch.Tensor | None = None,
@@ -135,7 +136,7 @@ def routed_experts(x: torch.Tensor, mlp: nn.Module, gate_up_proj: torch.Tensor |
     out *= scores.reshape(-1)[order, None]
     unsorted = torch.empty_like(out)
     unsorted[order] = out
-    return unsorted.view(-1, top_k, out.shape[-1]).sum(dim=1).to(x.dtype)
+    return cast(unsorted.view(-1, top_k, out.shape[-1]).sum(dim=1), x.dtype)
 
 
 def compact_copy(weight: torch.Tensor) -> torch.Tensor:
@@ -219,7 +220,7 @@ class GptOssTarget(nn.Module):
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits from a hidden state that is already final-normed (the drafter's output is), through
         the head's `CastLinear` copy (gradients reach `hidden`: training backpropagates through it)."""
-        return self.head(hidden).float()
+        return cast(self.head(hidden), torch.float32)
 
     def attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                   cache: KVArena, kv_len: int, mask: torch.Tensor) -> torch.Tensor:

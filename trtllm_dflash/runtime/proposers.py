@@ -15,7 +15,7 @@ import torch
 
 from ..errors import InputError
 from ..models.drafter import DFlashDrafter
-from ..models.linear import CastLinear, gemm_dtype
+from ..models.linear import CastLinear, cast, gemm_dtype
 from ..models.target import GptOssTarget
 from .accept import sample_from_probs
 from .draft_length import AdaptiveDraftLength
@@ -147,7 +147,7 @@ class DFlashProposer:
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float logits [b, K, V] of the drafter's final-normed hidden states [b, K, H]."""
         if self.head is None:
-            return self.target.lm_head(hidden if hidden.dtype == self.target.dtype else hidden.to(self.target.dtype))
+            return self.target.lm_head(cast(hidden, self.target.dtype))
         return self.head(hidden)  # in the hidden states' dtype, float32 here
 
     def commit(self, features, num_accepted):
