@@ -59,14 +59,16 @@ def test_a_narrower_gemm_dtype_serves_only_large_weights():
     assert gemm_dtype(small.bfloat16(), torch.float32) == torch.float32  # a wider dtype is never refused
 
 
-def test_drafter_gemm_dtype_resolution():
-    cuda = torch.device("cuda")  # only resolved, never touched
-    assert drafter_gemm_dtype("auto", torch.float32, cuda) == torch.bfloat16
-    assert drafter_gemm_dtype("auto", torch.bfloat16, cuda) is None  # already bf16: nothing to cast
-    assert drafter_gemm_dtype("auto", torch.float32, CPU) is None  # measured slower in the loop on CPU
+def test_drafter_gemm_dtype_resolution(monkeypatch):
+    monkeypatch.setattr(linear, "native_bf16", lambda device: True)
+    assert drafter_gemm_dtype("auto", torch.float32, CPU) == torch.bfloat16
+    assert drafter_gemm_dtype("auto", torch.bfloat16, CPU) is None  # already bf16: nothing to cast
     assert drafter_gemm_dtype("float32", torch.float32, CPU) is None
-    assert drafter_gemm_dtype("bfloat16", torch.float32, CPU) == torch.bfloat16  # asked for: done
+    assert drafter_gemm_dtype("bfloat16", torch.float32, CPU) == torch.bfloat16
     assert drafter_gemm_dtype("float32", torch.bfloat16, CPU) == torch.float32
+    monkeypatch.setattr(linear, "native_bf16", lambda device: False)
+    assert drafter_gemm_dtype("auto", torch.float32, CPU) is None  # emulated bf16 would be slower
+    assert drafter_gemm_dtype("bfloat16", torch.float32, CPU) == torch.bfloat16  # asked for: done
 
 
 def test_target_lm_head_on_a_block_matches_row_by_row():

@@ -44,6 +44,11 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether bf16 GEMMs are a speed-up on this device (CUDA, or a CPU that packs them for oneDNN)."""
+    return device.type == "cuda" or onednn_packs(torch.bfloat16, device)
+
+
 def gemm_dtype(weight: torch.Tensor, wanted: torch.dtype | None) -> torch.dtype:
     """The dtype of a GEMM over `weight` when `wanted` is asked (None: the weight's own): a narrower
     dtype only for a weight of at least `NARROW_MIN_WEIGHTS` (see the module's docstring)."""
@@ -88,10 +93,8 @@ class CastLinear:
 def drafter_gemm_dtype(choice: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
     """`dflash-run --drafter-gemm-dtype` -> `DFlashProposer(matmul_dtype=...)` (None: the model's dtype),
     the dtype of the drafter step's GEMMs where `gemm_dtype` admits it.
-    auto: bfloat16 for a float32 drafter on CUDA, else the model's dtype. On CPU even the embedded pair's
-    LM head, the one GEMM `gemm_dtype` would narrow, ran 3-5% slower inside the loop through oneDNN's bf16
-    than as float32 on its weight stored [in, out] (docs/benchmarks.md, round 7), though faster alone."""
+    auto: bfloat16 for a float32 drafter where bf16 GEMMs are native here, else the model's dtype."""
     if choice == "auto":
-        return torch.bfloat16 if model_dtype == torch.float32 and device.type == "cuda" else None
+        return torch.bfloat16 if model_dtype == torch.float32 and native_bf16(device) else None
     wanted = {"float32": torch.float32, "bfloat16": torch.bfloat16}[choice]
     return None if wanted == model_dtype else wanted
