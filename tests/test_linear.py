@@ -17,10 +17,10 @@ CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
-@pytest.mark.parametrize("shape", [(5,), (1, 64), (3, 7, 64), (2, 1, 8, 64)])
+@pytest.mark.parametrize("shape", [(16, 5), (3, 7, 64), (2, 1, 8, 64)])
 def test_cast_linear_is_a_rounded_linear_in_the_input_dtype(shape, with_bias):
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(48, 64, generator=gen) if len(shape) > 1 else torch.randn(48, 5, generator=gen)
+    weight = torch.randn(48, shape[-1], generator=gen)
     bias = torch.randn(48, generator=gen) if with_bias else None
     x = torch.randn(shape, generator=gen)
     got = CastLinear(weight, bias, torch.bfloat16)(x)
@@ -33,6 +33,17 @@ def test_cast_linear_is_a_rounded_linear_in_the_input_dtype(shape, with_bias):
     plain = CastLinear(weight, bias, torch.float32)
     assert plain.weight.shape == weight.shape and plain.weight.t().is_contiguous()
     torch.testing.assert_close(plain(x), exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 15])
+def test_a_packed_narrow_gemm_hands_few_rows_to_its_float32_copy(rows, monkeypatch):
+    """Below NARROW_MIN_ROWS rows oneDNN's bf16 GEMM is no faster: the float32 copy serves them exactly."""
+    monkeypatch.setattr(linear, "onednn_packs", lambda dtype, device: dtype == torch.bfloat16)  # any CPU
+    weight, bias, x = torch.randn(48, 64), torch.randn(48), torch.randn(1, rows, 64)
+    layer = CastLinear(weight, bias, torch.bfloat16)
+    assert layer.packed and layer.few_rows is not None and rows < linear.NARROW_MIN_ROWS
+    assert layer.native(x).dtype == torch.float32
+    assert torch.equal(layer(x), CastLinear(weight, bias, torch.float32)(x))
 
 
 def test_cast_linear_passes_gradients_to_its_input():

@@ -353,6 +353,7 @@ def test_bfloat16_drafter_gemms_stay_token_identical_and_close(random_pair, monk
     target, drafter, prompts, expected = random_pair
     assert DFlashProposer(drafter, target, matmul_dtype=torch.bfloat16).head.dtype == torch.float32
     monkeypatch.setattr(linear, "NARROW_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "NARROW_MIN_ROWS", 0)
     monkeypatch.setattr(drafter, "_fused", None)  # fused weights built under the default rule
     params = SamplingParams(max_tokens=24)
     fast = DFlashProposer(drafter, target, matmul_dtype=torch.bfloat16)

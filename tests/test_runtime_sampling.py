@@ -112,6 +112,7 @@ def test_adaptive_draft_length_with_bf16_drafter_gemms_samples_follow_target_dis
     without drafts (K = 0) between its drafts."""
     hf, target, drafter = pair
     monkeypatch.setattr(linear, "NARROW_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "NARROW_MIN_ROWS", 0)
     monkeypatch.setattr(drafter, "_fused", None)
     def params(seed):
         return SamplingParams(max_tokens=3, temperature=0.7, seed=seed)

@@ -9,6 +9,10 @@ Two facts about small GEMMs on this project's CPUs shape it (docs/benchmarks.md,
   freezing pass does for bf16 linears). But a oneDNN call costs ~25 us more than MKL's, more than a
   small GEMM's halved bytes give back, so a narrower dtype only serves GEMMs with at least
   `NARROW_MIN_WEIGHTS` weights (`gemm_dtype`): the LM head here, every GEMM of a gpt-oss-120b drafter.
+  And only at `NARROW_MIN_ROWS` rows or more: at a lone request's 7 draft rows the LM head ran 3-5%
+  slower in bf16 inside the loop than as float32 on its weight stored [in, out] (bound by the call and
+  the weight's bytes alike), while at 56 rows (a batch of 8) float32 takes 2.8x bf16's time (bound by
+  arithmetic, where AMX and AVX512-BF16 double the rate); so a packed GEMM keeps the float32 copy too.
 Elsewhere (CUDA) a GEMM is `F.linear` on the weight copy.
 """
 
@@ -18,6 +22,7 @@ import torch
 from torch.nn import functional as F
 
 NARROW_MIN_WEIGHTS = 1 << 20  # a 4096 x 256 LM head; a drafter's q/k/v, MLP are 2-8x smaller
+NARROW_MIN_ROWS = 16  # two requests' draft rows
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -69,9 +74,12 @@ class CastLinear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         self.dtype, self.out_features = dtype, weight.shape[0]
+        self.packed = onednn_packs(dtype, weight.device)
+        # below NARROW_MIN_ROWS rows a packed GEMM hands over to a copy in the weight's own, wider dtype
+        wider = self.packed and weight.dtype.itemsize > dtype.itemsize
+        self.few_rows = CastLinear(weight, bias, weight.dtype) if wider else None
         weight = weight.detach().to(dtype)
         self.bias = None if bias is None else bias.detach().to(dtype)
-        self.packed = onednn_packs(dtype, weight.device)
         if self.packed:
             self.weight = prepack(weight)
         else:  # MKL on CPU reads the weight row-major [in, out]
@@ -81,8 +89,11 @@ class CastLinear:
         return cast(self.native(x), x.dtype)
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
-        """y in `dtype`, the GEMM's own, not cast back: for a consumer that takes it as it is (a residual
-        add promotes it; the next GEMM of the same dtype reads it directly), one copy less each way."""
+        """y in the dtype of the GEMM that ran (`dtype`, or the weight's own for fewer than
+        `NARROW_MIN_ROWS` rows), not cast back: for a consumer that takes it as it is (a residual add
+        promotes it; the next GEMM of the same dtype reads it directly), one copy less each way."""
+        if self.few_rows is not None and x.numel() < NARROW_MIN_ROWS * x.shape[-1]:
+            return self.few_rows.native(x)
         x = cast(x, self.dtype)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
