@@ -69,10 +69,10 @@ class DFlashProposer:
                  policy: AdaptiveDraftLength | None = None, matmul_dtype: torch.dtype | None = None):
         cfg = drafter.config
         self.drafter, self.target, self.policy, self.matmul_dtype = drafter, target, policy, matmul_dtype
-        self.head = None
-        if matmul_dtype is not None:
+        self.head = None  # None: the target's own LM head (`GptOssTarget.head`), the very copy its verify reads
+        if matmul_dtype is not None and gemm_dtype(target.hf.lm_head.weight, matmul_dtype) != target.dtype:
             head = target.hf.lm_head
-            self.head = CastLinear(head.weight, head.bias, gemm_dtype(head.weight, matmul_dtype))
+            self.head = CastLinear(head.weight, head.bias, matmul_dtype, few_rows=target.head)
         self.block_size = block_size or cfg.block_size
         self.num_drafts = self.block_size - 1
         self.keep_confidence = policy is not None  # the adaptive policy sizes a drafted block by it
