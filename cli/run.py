@@ -299,8 +299,8 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
 @click.option("--drafter-gemm-dtype", "drafter_gemm", type=click.Choice(["auto", "float32", "bfloat16"]),
               help="dtype of the drafter step's GEMMs (weights and inputs; norms, attention and the residual stream "
                    "keep --dtype), for GEMMs of at least 2^20 weights (a 4096 x 256 LM head; smaller ones are bound by "
-                   "the call, not the bytes, and keep --dtype) and, on CPU, calls of 16 rows or more. Drafts need not be exact: the target verifies them. "
-                   "auto: bfloat16 for a float32 drafter where bf16 GEMMs are native (CUDA, or a CPU with AVX512-BF16 "
+                   "the call, not the bytes, and keep --dtype) and, on CPU, calls of 16 rows or more. Drafts need "
+                   "not be exact: the target verifies them. auto: bfloat16 for a float32 drafter where bf16 GEMMs are native (CUDA, or a CPU with AVX512-BF16 "
                    "through oneDNN), else --dtype [default: auto; reference backend, dflash and dflash-sa only].")
 @click.option("--backend", type=click.Choice(["auto", "trtllm", "reference"]), default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (reference backend).")

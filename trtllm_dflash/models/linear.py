@@ -81,7 +81,10 @@ class CastLinear:
         self.dtype, self.out_features = dtype, weight.shape[0]
         self.packed = onednn_packs(dtype, weight.device)
         wider = self.packed and weight.dtype.itemsize > dtype.itemsize
-        self.few_rows = None if not wider else few_rows or CastLinear(weight, bias, weight.dtype)
+        if not wider:
+            self.few_rows = None
+        else:
+            self.few_rows = few_rows if few_rows is not None else CastLinear(weight, bias, weight.dtype)
         weight = weight.detach().to(dtype)
         self.bias = None if bias is None else bias.detach().to(dtype)
         if self.packed:
