@@ -38,6 +38,7 @@ from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.runtime.stats import total_stats
+from trtllm_dflash.runtime.tuning import choose_expert_storage, expert_storage_note
 
 
 def random_pair(root: Path) -> tuple[Path, Path]:
@@ -67,6 +68,8 @@ def main() -> None:
                         help="dflash-sa rows at these suffix-match thresholds (comma-separated)")
     parser.add_argument("--adaptive", action="store_true",
                         help="add DFlash and dflash-sa rows with a per-step adaptive draft length")
+    parser.add_argument("--expert-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="as dflash-run's option of that name")
     parser.add_argument("--bf16-drafter", action="store_true",
                         help="add DFlash and dflash-sa rows whose drafter GEMMs run in bfloat16")
     args = parser.parse_args()
@@ -95,6 +98,8 @@ def main() -> None:
                        for _ in range(args.prompts)]
     params = SamplingParams(max_tokens=args.max_tokens)  # no stop ids: every run decodes the same length
     block = drafter.config.block_size
+    print(expert_storage_note(target, choose_expert_storage(target, args.expert_dtype, args.batch_size, block),
+                              args.batch_size, block))
     runtimes = {"autoregressive": ReferenceRuntime(target, None),
                 "ngram": ReferenceRuntime(target, NGramProposer(num_drafts=block - 1))}
     policies: dict[str, AdaptiveDraftLength] = {}

@@ -4,6 +4,7 @@ autoregressive decoding against transformers' `generate` on the same target.
     python benchmarks/bench_step_costs.py [--target DIR --drafter DIR] [--prompts 16] [--max-tokens 128]
                                           [--batch-sizes 1,4,8] [--repeats 3] [--threads 1]
                                           [--drafter-gemm-dtype auto|float32|bfloat16]
+                                          [--expert-dtype auto|float32|bfloat16]
 
 Per repeat and batch size, three runs interleaved on the same prompts (greedy, no stop ids, so every
 run decodes the same length): our autoregressive loop, the DFlash loop, and `GptOssForCausalLM.generate`
@@ -42,6 +43,7 @@ from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
 from trtllm_dflash.runtime.proposers import DFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
+from trtllm_dflash.runtime.tuning import choose_expert_storage, expert_storage_note
 
 
 def gemm_rate(hidden: int, vocab: int, calls: int = 50) -> float:
@@ -96,7 +98,7 @@ def target_bytes(target: GptOssTarget, experts_touched: float, batch: int, conte
     """Bytes a target step reads: attention, router and norm weights of every layer, `experts_touched`
     experts in all (summed over layers), the LM head, and the K/V of `batch` rows at `context`."""
     cfg, layers = target.config, target.hf.model.layers
-    experts = layers[0].mlp.experts  # weights as the lean path reads them (exact bf16 copies where they exist)
+    experts = layers[0].mlp.experts  # weights as the lean path reads them (`GptOssTarget.expert_storage`)
     weights = (getattr(target, "gate_up_0"), getattr(target, "down_0"))
     per_expert = (sum(w.numel() * w.element_size() for w in weights)
                   + nbytes(experts) - experts.gate_up_proj.nbytes - experts.down_proj.nbytes) / cfg.num_local_experts
@@ -191,6 +193,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,4,8")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--expert-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="as dflash-run's option of that name (auto: timed at the first batch size)")
     parser.add_argument("--drafter-gemm-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="as dflash-run's option of that name")
     args = parser.parse_args()
@@ -205,6 +209,9 @@ def main() -> None:
     prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in read_prompts_file(PROMPTS_FILE)[: args.prompts]]
     params = SamplingParams(max_tokens=args.max_tokens)
     gemm = drafter_gemm_dtype(args.drafter_gemm_dtype, torch.float32, torch.device("cpu"))
+    first_batch, block = int(args.batch_sizes.split(",")[0]), drafter.config.block_size
+    print(expert_storage_note(target, choose_expert_storage(target, args.expert_dtype, first_batch, block),
+                              first_batch, block))
     ar = ReferenceRuntime(target, None)
     dflash = ReferenceRuntime(target, DFlashProposer(drafter, target, matmul_dtype=gemm))
     pad_id = target.config.pad_token_id if target.config.pad_token_id is not None else 0

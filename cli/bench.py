@@ -145,6 +145,7 @@ def in_process_runners(target_dir, drafter_dir, draft_lengths, prompts, max_toke
     from trtllm_dflash.bench.points import SUFFIX_HYBRID
     from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer, SuffixDFlashProposer
     from trtllm_dflash.runtime.reference import ReferenceRuntime
+    from trtllm_dflash.runtime.tuning import choose_expert_storage
 
     pair = validate_pair(target_dir, drafter_dir)
     most = pair.drafter_config.block_size - 1
@@ -159,6 +160,7 @@ def in_process_runners(target_dir, drafter_dir, draft_lengths, prompts, max_toke
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     target = GptOssTarget(load_hf_gpt_oss(target_dir, torch_device, torch_dtype))
+    choose_expert_storage(target, "auto", 1, most + 1)  # as dflash-run's --expert-dtype auto
     drafter = load_drafter(drafter_dir, torch_device, torch_dtype)
     gemm = drafter_gemm_dtype("auto", torch_dtype, torch_device)
     runners = [InProcessRunner("ar", 0, ReferenceRuntime(target, None), max_tokens, max_batch)]
@@ -175,7 +177,7 @@ def in_process_runners(target_dir, drafter_dir, draft_lengths, prompts, max_toke
             "measured_on": {"runner": "in-process", "device": machine, "threads": threads},
             "pair": {"target": str(target_dir), "drafter": str(drafter_dir), "block_size": most + 1},
             "dtype": str(torch_dtype).removeprefix("torch."),
-            "drafter_gemm_dtype": str(gemm or torch_dtype).removeprefix("torch.")}
+            "drafter_gemm_dtype": str(gemm or torch_dtype).removeprefix("torch."), "expert_dtype": target.expert_storage}
     return runners, ids, lengths, info
 
 

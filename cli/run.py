@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import click
 import torch
@@ -182,12 +183,33 @@ def adaptive_policy(target, drafter, block_size: int | None, batch_size: int, ma
     return AdaptiveDraftLength(costs)
 
 
+def check_expert_dtype(expert_dtype: str | None, backend: str) -> None:
+    if expert_dtype is not None and backend == "trtllm":
+        raise InputError("sets how the reference runtime reads the target's experts; TensorRT-LLM runs the engine's "
+                         "own MoE kernels.", field="--expert-dtype")
+
+
+def expert_storage(target, choice: str, batch_size: int, block: int) -> str:
+    """Choose the target's expert storage (`choose_expert_storage`), say what was measured, return its name."""
+    from trtllm_dflash.runtime.tuning import choose_expert_storage, expert_storage_note
+
+    seconds = choose_expert_storage(target, choice, batch_size, block)
+    if seconds is not None:
+        click.echo(expert_storage_note(target, seconds, batch_size, block), err=True)
+    return target.expert_storage
+
+
+class RuntimeSetup(NamedTuple):
+    runtimes: list  # [main] or [main, autoregressive baseline]
+    drafter_gemm_dtype: torch.dtype | None  # None without a drafter
+    expert_dtype: str | None  # what the reference runtime's MoE reads; None on TensorRT-LLM
+
+
 def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, drafter_dir: Path, draft_method: str,
                   sa_threshold: int | None, block_size: int | None, schedule: dict[int, int] | None, device: str,
                   dtype: str, with_baseline: bool, draft_length: str = "fixed", batch_size: int = 1,
-                  drafter_gemm: str = "auto"):
-    """The runtime(s) for this run: [main] or [main, autoregressive baseline], and the dtype the drafter's
-    GEMMs run in (None without a drafter)."""
+                  drafter_gemm: str = "auto", expert_dtype: str = "auto") -> RuntimeSetup:
+    """The runtime(s) for this run and how they run."""
     if backend == "trtllm":
         if engine_root is None:
             raise InputError("the TensorRT-LLM backend runs engine directories; build one with dflash-build "
@@ -199,9 +221,10 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
         runtime = TrtllmRuntime(engine_root)
         for warning in runtime.warnings:
             click.echo(f"note: {warning}", err=True)
-        return [runtime], None
+        return RuntimeSetup([runtime], None, None)
     from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
     from trtllm_dflash.models.drafter import load_drafter
+    from trtllm_dflash.models.drafter_config import DFlashConfig
     from trtllm_dflash.models.linear import drafter_gemm_dtype
     from trtllm_dflash.models.target import GptOssTarget
     from trtllm_dflash.runtime.proposers import DFlashProposer, NGramProposer, SuffixDFlashProposer
@@ -210,10 +233,9 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     target = GptOssTarget(load_hf_gpt_oss(target_dir, torch_device, torch_dtype))
+    width = block_size or DFlashConfig.from_json(drafter_dir / "config.json").block_size
+    experts = expert_storage(target, expert_dtype, batch_size, width)  # before the adaptive policy times steps
     if draft_method == "ngram":
-        from trtllm_dflash.models.drafter_config import DFlashConfig
-
-        width = block_size or DFlashConfig.from_json(drafter_dir / "config.json").block_size
         proposer, gemm_dtype = NGramProposer(num_drafts=width - 1), None
     else:
         drafter = load_drafter(drafter_dir, torch_device, torch_dtype)
@@ -227,7 +249,7 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
     runtimes = [ReferenceRuntime(target, proposer, draft_len_schedule=schedule)]
     if with_baseline:
         runtimes.append(ReferenceRuntime(target, None))
-    return runtimes, gemm_dtype
+    return RuntimeSetup(runtimes, gemm_dtype, experts)
 
 
 def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int, stream: StreamPrinter | None):
@@ -302,6 +324,11 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
                    "the call, not the bytes, and keep --dtype) and, on CPU, calls of 16 rows or more. Drafts need "
                    "not be exact: the target verifies them. auto: bfloat16 for a float32 drafter where bf16 GEMMs are native (CUDA, or a CPU with AVX512-BF16 "
                    "through oneDNN), else --dtype [default: auto; reference backend, dflash and dflash-sa only].")
+@click.option("--expert-dtype", type=click.Choice(["auto", "float32", "bfloat16"]),
+              help="How the reference runtime's MoE reads the target's experts: as --dtype, or (CPU, float32 experts "
+                   "that bf16 holds exactly, as MXFP4 checkpoints' are) from bf16 copies cast back per GEMM; the same "
+                   "numbers either way. auto: the faster of the two, timed at start-up (it depends on the machine's "
+                   "caches) [default: auto; reference backend only].")
 @click.option("--backend", type=click.Choice(["auto", "trtllm", "reference"]), default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (reference backend).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
@@ -318,8 +345,8 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
 @click.option("--verify", is_flag=True, help="Check every file of ENGINE_DIR against its sha256 first.")
 @clean_errors
 def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, max_tokens, temperature, top_p,
-         top_k, seed, batch_size, block_size, draft_method, sa_threshold, draft_length, drafter_gemm, backend, device,
-         dtype, baseline, repeats, threads, as_json, output, stats_file, no_stream, verify):
+         top_k, seed, batch_size, block_size, draft_method, sa_threshold, draft_length, drafter_gemm, expert_dtype,
+         backend, device, dtype, baseline, repeats, threads, as_json, output, stats_file, no_stream, verify):
     """Run the DFlash draft-verify loop on ENGINE_DIR (or --target/--drafter, or the embedded default)."""
     from trtllm_dflash.checkpoints.gpt_oss import stop_token_ids
     from trtllm_dflash.checkpoints.validate import validate_pair
@@ -373,9 +400,11 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     method, sa_threshold = resolve_draft_method(draft_method, sa_threshold, chosen, engine)
     draft_length = resolve_draft_length(draft_length, method, chosen)
     check_drafter_gemm(drafter_gemm, method, chosen)
-    runtimes, gemm_dtype = build_runtime(chosen, engine.root if engine else None, target_dir, drafter_dir, method,
-                                         sa_threshold, block_size, schedule, device, dtype, baseline, draft_length,
-                                         batch_size, drafter_gemm or "auto")
+    check_expert_dtype(expert_dtype, chosen)
+    setup = build_runtime(chosen, engine.root if engine else None, target_dir, drafter_dir, method, sa_threshold,
+                          block_size, schedule, device, dtype, baseline, draft_length, batch_size, drafter_gemm or "auto",
+                          expert_dtype or "auto")
+    runtimes, gemm_dtype = setup.runtimes, setup.drafter_gemm_dtype
     for runtime in runtimes:
         if hasattr(runtime, "warm_up"):
             runtime.warm_up(prompt_ids[0])
@@ -395,7 +424,7 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     summary = summary_record(results, spec_runs, base_runs, batch_size, method=method, sa_threshold=sa_threshold,
                              draft_length=draft_length,
                              drafter_gemm_dtype=None if gemm_dtype is None else str(gemm_dtype).removeprefix("torch."),
-                             backend=chosen, threads=torch.get_num_threads(), repeats=repeats)
+                             expert_dtype=setup.expert_dtype, backend=chosen, threads=torch.get_num_threads(), repeats=repeats)
     if as_json:
         for record in [*records, summary]:
             click.echo(json.dumps(record))

@@ -459,3 +459,18 @@ def test_sa_threshold_lives_in_the_manifest_not_the_trtllm_options(tiny_pair, tm
     manifest.write_text(manifest.read_text().replace('"sa_threshold": 3', '"sa_threshold": "3"'))
     result = invoke(engine, "--prompt", "abc")
     assert result.exit_code == 2 and "runtime.sa_threshold" in result.output and "Traceback" not in result.output
+
+
+def test_expert_dtype_is_reported_and_refused_where_it_cannot_apply(tiny_pair):
+    """The tiny pair's random float32 experts have one storage: auto and float32 run it, bfloat16 is refused
+    (exit 2), as is the option on the trtllm backend."""
+    target, drafter = tiny_pair
+    common = ("--target", target, "--drafter", drafter, "--prompt", "abcabc", "--max-tokens", 4, "--json")
+    for choice in ("auto", "float32"):
+        result = invoke(*common, "--expert-dtype", choice)
+        assert result.exit_code == 0, result.output
+        assert json_lines(result)[1]["expert_dtype"] == "float32"
+    refused = invoke(*common, "--expert-dtype", "bfloat16")
+    assert refused.exit_code == 2 and "--expert-dtype" in refused.output and "Traceback" not in refused.output
+    on_trtllm = invoke(*common, "--expert-dtype", "float32", "--backend", "trtllm")
+    assert on_trtllm.exit_code == 2 and "TensorRT-LLM runs the engine's own MoE kernels" in on_trtllm.output

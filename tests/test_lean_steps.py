@@ -56,14 +56,25 @@ def test_experts_read_from_exact_bf16_copies_give_the_same_numbers():
         assert torch.equal(routed_experts(x, mlp, gate_up, down), routed_experts(x, mlp))
 
 
-def test_the_embedded_targets_mxfp4_experts_are_read_from_bf16_copies():
+def test_the_embedded_targets_mxfp4_experts_read_from_either_storage_give_the_same_logits():
+    """MXFP4 experts: float32 originals and exact bf16 copies, switchable, the same numbers; a target with
+    random float32 experts has one storage."""
     from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
     from trtllm_dflash.embedded import pair_paths
 
     target = GptOssTarget(load_hf_gpt_oss(pair_paths()[0]))
     assert target.hf.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
-    assert all(getattr(target, f"{name}_{i}").dtype == torch.bfloat16
-               for i in range(target.num_layers) for name in ("gate_up", "down"))
+    assert list(target.expert_storages) == ["float32", "bfloat16"] and target.expert_storage == "bfloat16"
+    tokens = torch.randint(0, target.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(12).expand(2, -1)
+    logits = {}
+    for storage in ("bfloat16", "float32"):
+        target.use_expert_storage(storage)
+        assert all(getattr(target, f"{name}_{i}").dtype == getattr(torch, storage)
+                   for i in range(target.num_layers) for name in ("gate_up", "down"))
+        logits[storage], _ = target(tokens, positions, target.new_cache(2, 12), [])
+    assert torch.equal(logits["bfloat16"], logits["float32"])
+    assert list(GptOssTarget(random_target(tiny_target_config())).expert_storages) == ["float32"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

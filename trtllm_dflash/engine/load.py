@@ -15,6 +15,7 @@ from ..models.target import GptOssTarget
 from ..runtime.interface import Runtime, choose_backend
 from ..runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer, SuffixDFlashProposer
 from ..runtime.reference import ReferenceRuntime
+from ..runtime.tuning import choose_expert_storage
 from ..errors import InputError
 from .manifest import Engine
 from .trtllm_versions import engine_requirements
@@ -31,12 +32,13 @@ def engine_speculation(engine: Engine) -> tuple[int | None, dict[int, int] | Non
 def reference_runtime(engine: Engine, device: torch.device, dtype: torch.dtype,
                       with_drafter: bool = True) -> ReferenceRuntime:
     """DFlash with suffix-automaton drafts (dflash-sa, the engine's threshold) and the engine's
-    max_draft_len and schedule (or the autoregressive baseline); the drafter's GEMMs as `dflash-run`'s
-    --drafter-gemm-dtype auto."""
+    max_draft_len and schedule (or the autoregressive baseline); the drafter's GEMMs and the experts'
+    storage as `dflash-run`'s --drafter-gemm-dtype auto and --expert-dtype auto (timed at batch 1)."""
     target = GptOssTarget(load_hf_gpt_oss(engine.target_dir, device, dtype))
+    block, schedule = engine_speculation(engine)
+    choose_expert_storage(target, "auto", 1, block or 8)
     if not with_drafter:
         return ReferenceRuntime(target, None)
-    block, schedule = engine_speculation(engine)
     dflash = DFlashProposer(load_drafter(engine.drafter_dir, device, dtype), target, block,
                             matmul_dtype=drafter_gemm_dtype("auto", dtype, device))
     proposer = SuffixDFlashProposer(dflash, engine.sa_threshold or DEFAULT_SA_THRESHOLD)

@@ -13,7 +13,8 @@ low: q/k/v come from one GEMM (weights fused at load; every dense GEMM reads a f
 for it, `CastLinear`), RoPE rotates
 q and k in one go, each step builds one additive mask per window kind for all layers, attention is
 one fused kernel on CPU, and the MoE multiplies only the experts a block routes to (`routed_experts`),
-reading them from exact bf16 copies where the checkpoint's experts allow (`compact_copy`).
+reading them as float32 or, where the checkpoint's experts allow, from exact bf16 copies (`compact_copy`;
+which is faster depends on the machine's caches, so the runtime measures it: `use_expert_storage`).
 Where a forward hook watches a bypassed module (calibration), that module is called as it is.
 
 Feature convention: target layer id `i` means the OUTPUT of decoder layer `i` (0-based), i.e.
@@ -142,9 +143,10 @@ def routed_experts(x: torch.Tensor, mlp: nn.Module, gate_up_proj: torch.Tensor |
 def compact_copy(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 copy of a float32 CPU weight that bf16 represents exactly (MXFP4 experts always are: a
     2-bit-mantissa value times a power-of-two scale), else the weight itself (the copy serves the lean
-    CPU path only). A step's MoE is bound by reading expert weights, and casting a routed expert's
-    half-size copy back to float32 costs less than reading the float32 original from memory (~7% off
-    an AR step on this project's CPU, docs/benchmarks.md); the GEMM, hence the result, is the same."""
+    CPU path only). A step's MoE is bound by reading expert weights; where they come from memory,
+    casting a routed expert's half-size copy back to float32 costs less than reading the float32
+    original (7% off an AR step on an AMD EPYC VM), where a large cache holds them it costs more (8% on
+    an Intel Xeon VM; docs/benchmarks.md, round 8). The GEMM, hence the result, is the same."""
     weight = weight.detach()
     if weight.dtype != torch.float32 or weight.device.type != "cpu":
         return weight
@@ -184,10 +186,22 @@ class GptOssTarget(nn.Module):
             self.o_proj.append(CastLinear(attn.o_proj.weight, attn.o_proj.bias, dtype))
             sinks = attn.sinks.detach().float().view(self.num_kv_heads, self.groups, 1)
             self.register_buffer(f"sinks_{i}", sinks, persistent=False)
-            experts = layer.mlp.experts
-            self.register_buffer(f"gate_up_{i}", compact_copy(experts.gate_up_proj), persistent=False)
-            self.register_buffer(f"down_{i}", compact_copy(experts.down_proj), persistent=False)
+        experts = [layer.mlp.experts for layer in hf_model.model.layers]
+        originals = [(e.gate_up_proj.detach(), e.down_proj.detach()) for e in experts]
+        compact = [(compact_copy(gate_up), compact_copy(down)) for gate_up, down in originals]
+        # where the MoE can read its experts from, by dtype name: the model's own, and bf16 copies where made
+        self.expert_storages = {str(originals[0][0].dtype).removeprefix("torch."): originals}
+        if any(c.dtype != o.dtype for pair, copies in zip(originals, compact) for o, c in zip(pair, copies)):
+            self.expert_storages["bfloat16"] = compact
+        self.use_expert_storage("bfloat16" if "bfloat16" in self.expert_storages else next(iter(self.expert_storages)))
         self.head = CastLinear(hf_model.lm_head.weight, hf_model.lm_head.bias, dtype)
+
+    def use_expert_storage(self, name: str) -> None:
+        """Read the experts from `expert_storages[name]` from now on (the same numbers either way)."""
+        for i, (gate_up, down) in enumerate(self.expert_storages[name]):
+            self.register_buffer(f"gate_up_{i}", gate_up, persistent=False)
+            self.register_buffer(f"down_{i}", down, persistent=False)
+        self.expert_storage = name
 
     @property
     def dtype(self) -> torch.dtype:

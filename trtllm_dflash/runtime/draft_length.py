@@ -19,11 +19,11 @@ Drafts come from two sources with very different acceptance (dflash-sa): the DFl
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
+
+from .tuning import interleaved_medians
 
 SOURCES = ("neural", "suffix")
 
@@ -171,18 +171,6 @@ class AdaptiveDraftLength:
 def format_costs(costs: dict[str, list[float]]) -> str:
     """A cost table for a log line: per source, the milliseconds of K = 0, 1, ... drafts."""
     return "; ".join(f"{source} " + " ".join(f"{c * 1e3:.2f}" for c in row) for source, row in costs.items())
-
-
-def interleaved_medians(calls: list, rounds: int) -> list[float]:
-    """Median seconds of each call, timed round-robin (every call once per round) so that load from
-    other jobs hits them alike."""
-    times: list[list[float]] = [[] for _ in calls]
-    for _ in range(rounds):
-        for call, record in zip(calls, times):
-            start = time.perf_counter()
-            call()
-            record.append(time.perf_counter() - start)
-    return [statistics.median(record) for record in times]
 
 
 def nondecreasing(costs: list[float]) -> list[float]:

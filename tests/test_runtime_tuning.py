@@ -1,0 +1,47 @@
+"""Start-up choices of the reference runtime (`runtime/tuning.py`): the experts' storage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtllm_dflash.errors import InputError
+from trtllm_dflash.models.random_pair import random_target, tiny_target_config
+from trtllm_dflash.models.target import GptOssTarget
+from trtllm_dflash.runtime import tuning
+
+
+@pytest.fixture
+def two_storages() -> GptOssTarget:
+    """A tiny target whose experts bf16 holds exactly, as MXFP4 ones: float32 originals and bf16 copies."""
+    hf = random_target(tiny_target_config(num_layers=2, experts=4, top_k=2), seed=2).float()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            for weight in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                weight.copy_(weight.bfloat16().float())
+    return GptOssTarget(hf)
+
+
+def test_timing_covers_each_storage_and_leaves_the_target_as_it_was(two_storages):
+    seconds = tuning.time_expert_storages(two_storages, batch=2, block=4, context=16, rounds=2)
+    assert set(seconds) == {"float32", "bfloat16"} and all(s > 0 for s in seconds.values())
+    assert two_storages.expert_storage == "bfloat16"
+
+
+@pytest.mark.parametrize("faster", ["float32", "bfloat16"])
+def test_auto_keeps_the_faster_storage(two_storages, monkeypatch, faster):
+    timed = {"float32": 2.0, "bfloat16": 2.0, faster: 1.0}
+    monkeypatch.setattr(tuning, "time_expert_storages", lambda target, batch, block: timed)
+    assert tuning.choose_expert_storage(two_storages, "auto", 1, 8) == timed
+    assert two_storages.expert_storage == faster
+
+
+def test_a_named_storage_is_used_without_timing_and_a_missing_one_is_refused(two_storages, monkeypatch):
+    monkeypatch.setattr(tuning, "time_expert_storages", lambda *args: pytest.fail("nothing to time"))
+    assert tuning.choose_expert_storage(two_storages, "float32", 1, 8) is None
+    assert two_storages.expert_storage == "float32"
+    single = GptOssTarget(random_target(tiny_target_config(num_layers=2, experts=4, top_k=2)).float())
+    assert tuning.choose_expert_storage(single, "auto", 1, 8) is None  # random float32 experts: one storage
+    with pytest.raises(InputError) as refused:
+        tuning.choose_expert_storage(single, "bfloat16", 1, 8)
+    assert refused.value.field == "--expert-dtype" and "float32" in str(refused.value)

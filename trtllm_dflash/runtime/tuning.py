@@ -1,0 +1,80 @@
+"""Start-up measurements that choose how the reference runtime runs on this machine.
+
+Which of two exact formulations is faster can depend on the machine, not the model: the MoE reading
+its experts' float32 weights or their exact bf16 copies cast back per GEMM was 7% apart one way on an
+AMD EPYC VM and 8% the other way on an Intel Xeon VM (docs/benchmarks.md, round 8). Both give the same
+numbers, so the runtime times both here and keeps the faster, as cuDNN's benchmark mode does.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def interleaved_medians(calls: list, rounds: int) -> list[float]:
+    """Median seconds of each call, timed round-robin (every call once per round) so that load from
+    other jobs hits them alike."""
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(rounds):
+        for call, record in zip(calls, times):
+            start = time.perf_counter()
+            call()
+            record.append(time.perf_counter() - start)
+    return [statistics.median(record) for record in times]
+
+
+@torch.inference_mode()
+def time_expert_storages(target, batch: int, block: int, context: int = 200, rounds: int = 10) -> dict[str, float]:
+    """Seconds of an autoregressive step plus a `block`-token verify at `batch` rows over a
+    `context`-token history, per storage of `target.expert_storages` (medians over `rounds`
+    interleaved rounds); the target reads its experts as before afterwards."""
+    device, kept = target.device, target.expert_storage
+    generator = torch.Generator(device=device).manual_seed(0)
+    tokens = torch.randint(0, target.vocab_size, (batch, context + block), generator=generator, device=device)
+    positions = torch.arange(context + block, device=device).expand(batch, -1)
+    cache = target.new_cache(batch, context + block)
+    target(tokens[:, :context], positions[:, :context], cache, [])
+
+    def step(storage: str, width: int):
+        def run():
+            target.use_expert_storage(storage)
+            target(tokens[:, context: context + width], positions[:, context: context + width], cache, [])
+        return run
+
+    names = list(target.expert_storages)
+    medians = interleaved_medians([step(name, width) for name in names for width in (1, block)], rounds)
+    target.use_expert_storage(kept)
+    return {name: medians[2 * i] + medians[2 * i + 1] for i, name in enumerate(names)}
+
+
+def choose_expert_storage(target, choice: str, batch: int, block: int) -> dict[str, float] | None:
+    """`dflash-run --expert-dtype`: make `target` read its experts from the storage `choice` names, or
+    with "auto" from the one `time_expert_storages` finds faster here. Returns the timings (None when
+    nothing was timed: a named choice, or a single storage)."""
+    if choice != "auto":
+        if choice not in target.expert_storages:
+            from ..errors import InputError
+
+            raise InputError(f"the target's experts can be read as {' or '.join(target.expert_storages)} here, not "
+                             f"{choice} (bf16 copies exist on CPU for float32 experts that bf16 represents exactly, "
+                             "as MXFP4 checkpoints' do).", field="--expert-dtype")
+        target.use_expert_storage(choice)
+        return None
+    if len(target.expert_storages) == 1:
+        return None
+    seconds = time_expert_storages(target, batch, block)
+    target.use_expert_storage(min(seconds, key=seconds.get))
+    return seconds
+
+
+def expert_storage_note(target, seconds: dict[str, float] | None, batch: int, block: int) -> str:
+    """A log line: the storage `target` reads its experts from and, when `choose_expert_storage` timed
+    them, the timings it chose by."""
+    if seconds is None:
+        return f"expert weights: {target.expert_storage}"
+    timings = ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in seconds.items())
+    return (f"expert weights: {target.expert_storage}, the faster here (an AR step plus a verify of {block} tokens at "
+            f"batch {batch}: {timings})")
