@@ -14,9 +14,12 @@ import time
 import torch
 
 
-def interleaved_medians(calls: list, rounds: int) -> list[float]:
+def interleaved_medians(calls: list, rounds: int, warm_up: int = 0) -> list[float]:
     """Median seconds of each call, timed round-robin (every call once per round) so that load from
-    other jobs hits them alike."""
+    other jobs hits them alike; the first `warm_up` rounds are not timed."""
+    for _ in range(warm_up):
+        for call in calls:
+            call()
     times: list[list[float]] = [[] for _ in calls]
     for _ in range(rounds):
         for call, record in zip(calls, times):
@@ -27,10 +30,12 @@ def interleaved_medians(calls: list, rounds: int) -> list[float]:
 
 
 @torch.inference_mode()
-def time_expert_storages(target, batch: int, block: int, context: int = 200, rounds: int = 10) -> dict[str, float]:
-    """Seconds of an autoregressive step plus a `block`-token verify at `batch` rows over a
+def time_expert_storages(target, batch: int, block: int, context: int = 200, rounds: int = 16,
+                         warm_up: int = 3) -> dict[str, float]:
+    """Seconds of an autoregressive step then a `block`-token verify at `batch` rows over a
     `context`-token history, per storage of `target.expert_storages` (medians over `rounds`
-    interleaved rounds); the target reads its experts as before afterwards."""
+    interleaved rounds after `warm_up` untimed ones: the first steps after loading ran 30-40% slower,
+    both storages alike); the target reads its experts as before afterwards."""
     device, kept = target.device, target.expert_storage
     generator = torch.Generator(device=device).manual_seed(0)
     tokens = torch.randint(0, target.vocab_size, (batch, context + block), generator=generator, device=device)
@@ -38,16 +43,17 @@ def time_expert_storages(target, batch: int, block: int, context: int = 200, rou
     cache = target.new_cache(batch, context + block)
     target(tokens[:, :context], positions[:, :context], cache, [])
 
-    def step(storage: str, width: int):
+    def steps(storage: str):
         def run():
             target.use_expert_storage(storage)
-            target(tokens[:, context: context + width], positions[:, context: context + width], cache, [])
+            for width in (1, block):
+                target(tokens[:, context: context + width], positions[:, context: context + width], cache, [])
         return run
 
     names = list(target.expert_storages)
-    medians = interleaved_medians([step(name, width) for name in names for width in (1, block)], rounds)
+    medians = interleaved_medians([steps(name) for name in names], rounds, warm_up)
     target.use_expert_storage(kept)
-    return {name: medians[2 * i] + medians[2 * i + 1] for i, name in enumerate(names)}
+    return dict(zip(names, medians))
 
 
 def choose_expert_storage(target, choice: str, batch: int, block: int) -> dict[str, float] | None:
