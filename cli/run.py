@@ -193,9 +193,9 @@ def expert_storage(target, choice: str, batch_size: int, block: int) -> str:
     """Choose the target's expert storage (`choose_expert_storage`), say what was measured, return its name."""
     from trtllm_dflash.runtime.tuning import choose_expert_storage, expert_storage_note
 
-    seconds = choose_expert_storage(target, choice, batch_size, block)
-    if seconds is not None:
-        click.echo(expert_storage_note(target, seconds, batch_size, block), err=True)
+    relative = choose_expert_storage(target, choice, batch_size, block)
+    if relative is not None:
+        click.echo(expert_storage_note(target, relative, batch_size, block), err=True)
     return target.expert_storage
 
 

@@ -14,9 +14,9 @@ import time
 import torch
 
 
-def interleaved_medians(calls: list, rounds: int, warm_up: int = 0) -> list[float]:
-    """Median seconds of each call, timed round-robin (every call once per round) so that load from
-    other jobs hits them alike; the first `warm_up` rounds are not timed."""
+def interleaved_times(calls: list, rounds: int, warm_up: int = 0) -> list[list[float]]:
+    """Seconds of each call in each round, timed round-robin (every call once per round) so that load
+    from other jobs hits them alike; the first `warm_up` rounds are not timed."""
     for _ in range(warm_up):
         for call in calls:
             call()
@@ -26,16 +26,24 @@ def interleaved_medians(calls: list, rounds: int, warm_up: int = 0) -> list[floa
             start = time.perf_counter()
             call()
             record.append(time.perf_counter() - start)
-    return [statistics.median(record) for record in times]
+    return times
+
+
+def interleaved_medians(calls: list, rounds: int, warm_up: int = 0) -> list[float]:
+    """Median seconds of each call over `interleaved_times`."""
+    return [statistics.median(record) for record in interleaved_times(calls, rounds, warm_up)]
 
 
 @torch.inference_mode()
 def time_expert_storages(target, batch: int, block: int, context: int = 200, rounds: int = 16,
                          warm_up: int = 3) -> dict[str, float]:
-    """Seconds of an autoregressive step then a `block`-token verify at `batch` rows over a
-    `context`-token history, per storage of `target.expert_storages` (medians over `rounds`
-    interleaved rounds after `warm_up` untimed ones: the first steps after loading ran 30-40% slower,
-    both storages alike); the target reads its experts as before afterwards."""
+    """The time of an autoregressive step then a `block`-token verify at `batch` rows over a
+    `context`-token history, per storage of `target.expert_storages`, relative to the first storage's:
+    the median over `rounds` interleaved rounds of each round's ratio (paired, so that the machine's
+    drift between rounds cancels: on a busy VM the medians of the two storages' own times picked
+    the slower one in one of eight timings, the paired ratio never; docs/benchmarks.md, round 8), after
+    `warm_up` untimed rounds (the first steps after loading ran 30-40% slower, both storages alike).
+    The target reads its experts as before afterwards."""
     device, kept = target.device, target.expert_storage
     generator = torch.Generator(device=device).manual_seed(0)
     tokens = torch.randint(0, target.vocab_size, (batch, context + block), generator=generator, device=device)
@@ -51,15 +59,15 @@ def time_expert_storages(target, batch: int, block: int, context: int = 200, rou
         return run
 
     names = list(target.expert_storages)
-    medians = interleaved_medians([steps(name) for name in names], rounds, warm_up)
+    times = interleaved_times([steps(name) for name in names], rounds, warm_up)
     target.use_expert_storage(kept)
-    return dict(zip(names, medians))
+    return {name: statistics.median(t / first for t, first in zip(record, times[0])) for name, record in zip(names, times)}
 
 
 def choose_expert_storage(target, choice: str, batch: int, block: int) -> dict[str, float] | None:
     """`dflash-run --expert-dtype`: make `target` read its experts from the storage `choice` names, or
     with "auto" from the one `time_expert_storages` finds faster here. Returns the timings (None when
-    nothing was timed: a named choice, or a single storage)."""
+    nothing was timed: a named choice, or a single storage): each storage's time relative to the first's."""
     if choice != "auto":
         if choice not in target.expert_storages:
             from ..errors import InputError
@@ -71,16 +79,16 @@ def choose_expert_storage(target, choice: str, batch: int, block: int) -> dict[s
         return None
     if len(target.expert_storages) == 1:
         return None
-    seconds = time_expert_storages(target, batch, block)
-    target.use_expert_storage(min(seconds, key=seconds.get))
-    return seconds
+    relative = time_expert_storages(target, batch, block)
+    target.use_expert_storage(min(relative, key=relative.get))
+    return relative
 
 
-def expert_storage_note(target, seconds: dict[str, float] | None, batch: int, block: int) -> str:
+def expert_storage_note(target, relative: dict[str, float] | None, batch: int, block: int) -> str:
     """A log line: the storage `target` reads its experts from and, when `choose_expert_storage` timed
-    them, the timings it chose by."""
-    if seconds is None:
+    them, the relative times it chose by."""
+    if relative is None:
         return f"expert weights: {target.expert_storage}"
-    timings = ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in seconds.items())
+    timings = ", ".join(f"{name} {r:.3f}" for name, r in relative.items())
     return (f"expert weights: {target.expert_storage}, the faster here (an AR step plus a verify of {block} tokens at "
-            f"batch {batch}: {timings})")
+            f"batch {batch}, relative time: {timings})")

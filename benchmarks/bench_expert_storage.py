@@ -1,0 +1,100 @@
+"""The target's MoE reading its experts as float32 originals or as exact bf16 copies cast back per GEMM
+(`GptOssTarget.use_expert_storage`, chosen at start-up by `dflash-run --expert-dtype auto`): both
+side by side in one process, on the embedded pair (or --target/--drafter).
+
+    python benchmarks/bench_expert_storage.py [--target DIR --drafter DIR] [--prompts 16] [--max-tokens 128]
+                                              [--repeats 3] [--threads 1]
+
+Per repeat and prompt, each storage in turn (the order alternating by prompt, so drift hits both alike)
+runs autoregressive decoding, DFlash (fixed block, drafter GEMMs float32) and n-gram prompt lookup on
+that prompt. Reported per storage, totals over all runs: the AR step and the DFlash verify and drafter
+steps from the loop's own timers, each method's decode tokens/s, and DFlash's and n-gram's speed-up
+over the AR run of the same storage. Both storages give the same tokens (checked). After that, the
+start-up timing `--expert-dtype auto` makes, five times, and which storage it picked each time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from pathlib import Path
+
+import torch
+
+from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
+from trtllm_dflash.models.drafter import load_drafter
+from trtllm_dflash.models.target import GptOssTarget
+from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
+from trtllm_dflash.runtime.proposers import DFlashProposer, NGramProposer
+from trtllm_dflash.runtime.reference import ReferenceRuntime
+from trtllm_dflash.runtime.sampling import SamplingParams
+from trtllm_dflash.runtime.tuning import time_expert_storages
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", type=Path)
+    parser.add_argument("--drafter", type=Path)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from trtllm_dflash.embedded import PROMPTS_FILE, pair_paths
+
+    target_dir, drafter_dir = (args.target, args.drafter) if args.target else pair_paths()
+    target = GptOssTarget(load_hf_gpt_oss(target_dir, "cpu", torch.float32))
+    storages = list(target.expert_storages)
+    if len(storages) < 2:
+        raise SystemExit(f"{target_dir}: the experts have one storage here ({storages[0]}): nothing to compare")
+    drafter = load_drafter(drafter_dir, "cpu", torch.float32)
+    tokenizer = load_tokenizer(target_dir)
+    prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in read_prompts_file(PROMPTS_FILE)[: args.prompts]]
+    params = SamplingParams(max_tokens=args.max_tokens)
+    block = drafter.config.block_size
+    runtimes = {"ar": ReferenceRuntime(target, None), "dflash": ReferenceRuntime(target, DFlashProposer(drafter, target)),
+                "ngram": ReferenceRuntime(target, NGramProposer(block - 1))}
+    for runtime in runtimes.values():
+        runtime.warm_up(prompts[0])
+
+    totals = {name: collections.defaultdict(float) for name in storages}
+    outputs: dict[tuple[str, str, int], list[int]] = {}
+    for repeat in range(args.repeats):
+        for i, prompt in enumerate(prompts):
+            for storage in storages if (i + repeat) % 2 == 0 else storages[::-1]:
+                target.use_expert_storage(storage)
+                for method, runtime in runtimes.items():
+                    start = time.perf_counter()
+                    (result,) = runtime.generate([prompt], params, 1)
+                    total = totals[storage]
+                    total[f"{method} s"] += time.perf_counter() - start
+                    total[f"{method} steps"] += result.stats.steps
+                    total[f"{method} tokens"] += len(result.output_token_ids)
+                    total[f"{method} verify s"] += runtime.step_times["verify"]
+                    total[f"{method} draft s"] += runtime.step_times["draft"]
+                    outputs[(storage, method, i)] = result.output_token_ids
+    identical = all(outputs[(s, m, i)] == outputs[(storages[0], "ar", i)]
+                    for s in storages for m in runtimes for i in range(len(prompts)))
+
+    print(f"threads={args.threads} prompts={len(prompts)} max_tokens={args.max_tokens} repeats={args.repeats} "
+          f"block={block}; outputs identical across storages and methods: {identical}")
+    print(f"{'experts':<10}{'AR step ms':>11}{'verify ms':>10}{'x AR':>6}{'drafter ms':>11}{'x AR':>6}"
+          f"{'AR tok/s':>10}{'DFlash tok/s':>13}{'speed-up':>9}{'n-gram tok/s':>13}{'speed-up':>9}")
+    for storage, total in totals.items():
+        ar_step = total["ar verify s"] / total["ar steps"]
+        verify, draft = (total[f"dflash {k} s"] / total["dflash steps"] for k in ("verify", "draft"))
+        rate = {m: total[f"{m} tokens"] / total[f"{m} s"] for m in runtimes}
+        print(f"{storage:<10}{ar_step * 1e3:>11.3f}{verify * 1e3:>10.3f}{verify / ar_step:>6.2f}{draft * 1e3:>11.3f}"
+              f"{draft / ar_step:>6.2f}{rate['ar']:>10.1f}{rate['dflash']:>13.1f}{rate['dflash'] / rate['ar']:>8.2f}x"
+              f"{rate['ngram']:>13.1f}{rate['ngram'] / rate['ar']:>8.2f}x")
+    for _ in range(5):
+        relative = time_expert_storages(target, 1, block)
+        print("start-up timing (AR step + verify of {} tokens, time relative to {}): {} -> {}".format(
+            block, storages[0], ", ".join(f"{s} {r:.3f}" for s, r in relative.items()), min(relative, key=relative.get)))
+
+
+if __name__ == "__main__":
+    main()
