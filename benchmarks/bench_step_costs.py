@@ -37,7 +37,7 @@ import torch
 from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
 from trtllm_dflash.models.drafter import load_drafter
 from trtllm_dflash.models.drafter_config import DFlashConfig
-from trtllm_dflash.models.linear import NARROW_MIN_ROWS, drafter_gemm_dtype, gemm_dtype
+from trtllm_dflash.models.linear import NARROW_MIN_ROWS, drafter_gemm_dtype, gemm_dtype, onednn_packs
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
 from trtllm_dflash.runtime.proposers import DFlashProposer
@@ -111,10 +111,12 @@ def target_bytes(target: GptOssTarget, experts_touched: float, batch: int, conte
 
 def drafter_bytes(drafter, target: GptOssTarget, batch: int, context: float, wanted: torch.dtype | None) -> float:
     """Bytes a drafter step reads: all its weights and the target's LM head, each in the dtype its GEMM
-    runs in when `wanted` is asked (`gemm_dtype`; float32 below `NARROW_MIN_ROWS` draft rows), its context
-    K/V at `context`."""
+    runs in when `wanted` is asked (`gemm_dtype`; below `NARROW_MIN_ROWS` draft rows a oneDNN-packed GEMM
+    runs its float32 copy, `CastLinear.few_rows`), its context K/V at `context`."""
     cfg = drafter.config
-    wanted = wanted if batch * (cfg.block_size - 1) >= NARROW_MIN_ROWS else None
+    few_rows = batch * (cfg.block_size - 1) < NARROW_MIN_ROWS
+    if wanted is not None and few_rows and onednn_packs(wanted, drafter.fc.weight.device):
+        wanted = None
     window = min(context, cfg.sliding_window or context)
     kv = batch * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4 * window
     params = [p for m in (drafter, target.hf.lm_head) for p in m.parameters()]

@@ -143,10 +143,10 @@ def routed_experts(x: torch.Tensor, mlp: nn.Module, gate_up_proj: torch.Tensor |
 def compact_copy(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 copy of a float32 CPU weight that bf16 represents exactly (MXFP4 experts always are: a
     2-bit-mantissa value times a power-of-two scale), else the weight itself (the copy serves the lean
-    CPU path only). A step's MoE is bound by reading expert weights; where they come from memory,
-    casting a routed expert's half-size copy back to float32 costs less than reading the float32
-    original (7% off an AR step on an AMD EPYC VM), where a large cache holds them it costs more (8% on
-    an Intel Xeon VM; docs/benchmarks.md, round 8). The GEMM, hence the result, is the same."""
+    CPU path only). A step's MoE is bound by reading expert weights: casting a routed expert's half-size
+    copy back to float32 cost less than reading the float32 original on an AMD EPYC VM (7% off an AR
+    step) and more on two Intel Xeon VMs (8-10%; docs/benchmarks.md, rounds 7 and 8), hence the choice
+    at start-up (`runtime/tuning.py`). The GEMM, hence the result, is the same."""
     weight = weight.detach()
     if weight.dtype != torch.float32 or weight.device.type != "cpu":
         return weight

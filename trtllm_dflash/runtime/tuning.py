@@ -2,8 +2,9 @@
 
 Which of two exact formulations is faster can depend on the machine, not the model: the MoE reading
 its experts' float32 weights or their exact bf16 copies cast back per GEMM was 7% apart one way on an
-AMD EPYC VM and 8% the other way on an Intel Xeon VM (docs/benchmarks.md, round 8). Both give the same
-numbers, so the runtime times both here and keeps the faster, as cuDNN's benchmark mode does.
+AMD EPYC VM and 8-10% the other way on two Intel Xeon VMs (docs/benchmarks.md, rounds 7 and 8). Both
+give the same numbers, so the runtime times both here and keeps the faster, as cuDNN's benchmark mode
+does.
 """
 
 from __future__ import annotations
