@@ -327,8 +327,8 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
 @click.option("--expert-dtype", type=click.Choice(["auto", "float32", "bfloat16"]),
               help="How the reference runtime's MoE reads the target's experts: as --dtype, or (CPU, float32 experts "
                    "that bf16 holds exactly, as MXFP4 checkpoints' are) from bf16 copies cast back per GEMM; the same "
-                   "numbers either way. auto: the faster of the two, timed at start-up (it depends on the machine's "
-                   "caches) [default: auto; reference backend only].")
+                   "numbers either way. auto: the faster of the two, timed at start-up (it depends on the "
+                   "machine) [default: auto; reference backend only].")
 @click.option("--backend", type=click.Choice(["auto", "trtllm", "reference"]), default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (reference backend).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
