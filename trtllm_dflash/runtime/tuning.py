@@ -62,7 +62,8 @@ def time_expert_storages(target, batch: int, block: int, context: int = 200, rou
     names = list(target.expert_storages)
     times = interleaved_times([steps(name) for name in names], rounds, warm_up)
     target.use_expert_storage(kept)
-    return {name: statistics.median(t / first for t, first in zip(record, times[0])) for name, record in zip(names, times)}
+    return {name: statistics.median(t / first for t, first in zip(record, times[0]))
+            for name, record in zip(names, times)}
 
 
 def choose_expert_storage(target, choice: str, batch: int, block: int) -> dict[str, float] | None:
