@@ -52,10 +52,12 @@ def main() -> None:
         raise SystemExit(f"{target_dir}: the experts have one storage here ({storages[0]}): nothing to compare")
     drafter = load_drafter(drafter_dir, "cpu", torch.float32)
     tokenizer = load_tokenizer(target_dir)
-    prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in read_prompts_file(PROMPTS_FILE)[: args.prompts]]
+    texts = read_prompts_file(PROMPTS_FILE)[: args.prompts]
+    prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in texts]
     params = SamplingParams(max_tokens=args.max_tokens)
     block = drafter.config.block_size
-    runtimes = {"ar": ReferenceRuntime(target, None), "dflash": ReferenceRuntime(target, DFlashProposer(drafter, target)),
+    runtimes = {"ar": ReferenceRuntime(target, None),
+                "dflash": ReferenceRuntime(target, DFlashProposer(drafter, target)),
                 "ngram": ReferenceRuntime(target, NGramProposer(block - 1))}
     for runtime in runtimes.values():
         runtime.warm_up(prompts[0])
@@ -92,8 +94,9 @@ def main() -> None:
               f"{rate['ngram']:>13.1f}{rate['ngram'] / rate['ar']:>8.2f}x")
     for _ in range(5):
         relative = time_expert_storages(target, 1, block)
-        print("start-up timing (AR step + verify of {} tokens, time relative to {}): {} -> {}".format(
-            block, storages[0], ", ".join(f"{s} {r:.3f}" for s, r in relative.items()), min(relative, key=relative.get)))
+        timings = ", ".join(f"{s} {r:.3f}" for s, r in relative.items())
+        print(f"start-up timing (AR step + verify of {block} tokens, time relative to {storages[0]}): {timings} "
+              f"-> {min(relative, key=relative.get)}")
 
 
 if __name__ == "__main__":

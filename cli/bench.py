@@ -177,7 +177,8 @@ def in_process_runners(target_dir, drafter_dir, draft_lengths, prompts, max_toke
             "measured_on": {"runner": "in-process", "device": machine, "threads": threads},
             "pair": {"target": str(target_dir), "drafter": str(drafter_dir), "block_size": most + 1},
             "dtype": str(torch_dtype).removeprefix("torch."),
-            "drafter_gemm_dtype": str(gemm or torch_dtype).removeprefix("torch."), "expert_dtype": target.expert_storage}
+            "drafter_gemm_dtype": str(gemm or torch_dtype).removeprefix("torch."),
+            "expert_dtype": target.expert_storage}
     return runners, ids, lengths, info
 
 

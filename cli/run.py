@@ -402,8 +402,8 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     check_drafter_gemm(drafter_gemm, method, chosen)
     check_expert_dtype(expert_dtype, chosen)
     setup = build_runtime(chosen, engine.root if engine else None, target_dir, drafter_dir, method, sa_threshold,
-                          block_size, schedule, device, dtype, baseline, draft_length, batch_size, drafter_gemm or "auto",
-                          expert_dtype or "auto")
+                          block_size, schedule, device, dtype, baseline, draft_length, batch_size,
+                          drafter_gemm or "auto", expert_dtype or "auto")
     runtimes, gemm_dtype = setup.runtimes, setup.drafter_gemm_dtype
     for runtime in runtimes:
         if hasattr(runtime, "warm_up"):
@@ -424,7 +424,8 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     summary = summary_record(results, spec_runs, base_runs, batch_size, method=method, sa_threshold=sa_threshold,
                              draft_length=draft_length,
                              drafter_gemm_dtype=None if gemm_dtype is None else str(gemm_dtype).removeprefix("torch."),
-                             expert_dtype=setup.expert_dtype, backend=chosen, threads=torch.get_num_threads(), repeats=repeats)
+                             expert_dtype=setup.expert_dtype, backend=chosen, threads=torch.get_num_threads(),
+                             repeats=repeats)
     if as_json:
         for record in [*records, summary]:
             click.echo(json.dumps(record))

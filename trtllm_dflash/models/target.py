@@ -14,7 +14,8 @@ for it, `CastLinear`), RoPE rotates
 q and k in one go, each step builds one additive mask per window kind for all layers, attention is
 one fused kernel on CPU, and the MoE multiplies only the experts a block routes to (`routed_experts`),
 reading them as float32 or, where the checkpoint's experts allow, from exact bf16 copies (`compact_copy`;
-which is faster depends on the machine's caches, so the runtime measures it: `use_expert_storage`).
+which is faster depends on the machine, so the runtime times both at start-up: `use_expert_storage`,
+`runtime/tuning.py`).
 Where a forward hook watches a bypassed module (calibration), that module is called as it is.
 
 Feature convention: target layer id `i` means the OUTPUT of decoder layer `i` (0-based), i.e.
