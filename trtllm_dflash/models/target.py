@@ -187,8 +187,8 @@ class GptOssTarget(nn.Module):
             self.o_proj.append(CastLinear(attn.o_proj.weight, attn.o_proj.bias, dtype))
             sinks = attn.sinks.detach().float().view(self.num_kv_heads, self.groups, 1)
             self.register_buffer(f"sinks_{i}", sinks, persistent=False)
-        experts = [layer.mlp.experts for layer in hf_model.model.layers]
-        originals = [(e.gate_up_proj.detach(), e.down_proj.detach()) for e in experts]
+        originals = [(layer.mlp.experts.gate_up_proj.detach(), layer.mlp.experts.down_proj.detach())
+                     for layer in hf_model.model.layers]
         compact = [(compact_copy(gate_up), compact_copy(down)) for gate_up, down in originals]
         # where the MoE can read its experts from, by dtype name: the model's own, and bf16 copies where made
         self.expert_storages = {str(originals[0][0].dtype).removeprefix("torch."): originals}

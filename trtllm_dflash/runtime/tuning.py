@@ -30,9 +30,9 @@ def interleaved_times(calls: list, rounds: int, warm_up: int = 0) -> list[list[f
     return times
 
 
-def interleaved_medians(calls: list, rounds: int, warm_up: int = 0) -> list[float]:
+def interleaved_medians(calls: list, rounds: int) -> list[float]:
     """Median seconds of each call over `interleaved_times`."""
-    return [statistics.median(record) for record in interleaved_times(calls, rounds, warm_up)]
+    return [statistics.median(record) for record in interleaved_times(calls, rounds)]
 
 
 @torch.inference_mode()
