@@ -2,7 +2,7 @@
 
     python benchmarks/bench_pair_quality.py [--target DIR] [--drafter [LABEL=]DIR ...] [--threads 1]
                                             [--max-tokens 128] [--json FILE]
-                                            [--drafter-gemm-dtype float32|auto|bfloat16]
+                                            [--drafter-gemm-dtype float32|auto|bfloat16|float16]
 
 Greedy decoding with the reference runtime, DFlash alone, on four prompt sets:
 - `heldout-16`, `heldout-64`: the embedded pair's held-out prompts (stdlib files never trained on);
@@ -29,7 +29,7 @@ import torch
 from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
 from trtllm_dflash.embedded import PROMPTS_FILE, pair_paths
 from trtllm_dflash.models.drafter import load_drafter
-from trtllm_dflash.models.linear import drafter_gemm_dtype
+from trtllm_dflash.models.linear import DRAFTER_GEMM_DTYPES, drafter_gemm_dtype
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.prompts import encode_prompts, load_tokenizer, read_prompts_file
 from trtllm_dflash.runtime.proposers import DFlashProposer
@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--long", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write every number here")
-    parser.add_argument("--drafter-gemm-dtype", choices=("auto", "float32", "bfloat16"), default="float32",
+    parser.add_argument("--drafter-gemm-dtype", choices=DRAFTER_GEMM_DTYPES, default="float32",
                         help="as dflash-run's option of that name (default float32: the drafter as trained)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

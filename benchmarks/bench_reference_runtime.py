@@ -4,6 +4,7 @@ vs autoregressive, same prompts, one process.
     python benchmarks/bench_reference_runtime.py [--target DIR --drafter DIR] [--prompts-file FILE]
                                                  [--batch-size N] [--max-tokens N] [--repeats N]
                                                  [--threads N] [--sa-thresholds 2,3,4] [--adaptive]
+                                                 [--drafter-gemm-dtype D] [--also-drafter-gemm-dtype D]
 
 Pair: --target/--drafter, else the embedded default pair with its held-out prompts, else (with
 --random) a random pair at the embedded scale, where acceptance is meaningless and the numbers
@@ -12,9 +13,11 @@ batch before the next, in rotating order) and speed-ups are the median of per-re
 (min..max beside it), so machine noise largely cancels. tau is pooled:
 committed tokens over verify steps of all prompts. Greedy outputs are also checked for
 losslessness against the autoregressive run. With --adaptive, DFlash and dflash-sa also run with a
-per-step adaptive draft length (`runtime/draft_length.py`), its step costs measured here first. With
---bf16-drafter, every DFlash and dflash-sa row is also run with the drafter step's GEMMs in bfloat16
-(`DFlashProposer(matmul_dtype=...)`; adaptive rows with their own step costs).
+per-step adaptive draft length (`runtime/draft_length.py`), its step costs measured here first. The
+DFlash and dflash-sa rows run the drafter step's GEMMs as `dflash-run --drafter-gemm-dtype` would
+(`--drafter-gemm-dtype`, default auto); with --also-drafter-gemm-dtype D, every such row is also run
+with them in D (`DFlashProposer(matmul_dtype=...)`; rows suffixed -D, adaptive ones with their own
+step costs).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 
 from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
 from trtllm_dflash.models.drafter import load_drafter
+from trtllm_dflash.models.linear import DRAFTER_GEMM_DTYPES, drafter_gemm_dtype
 from trtllm_dflash.models.random_pair import drafter_config_for, save_random_drafter, save_random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
@@ -70,8 +74,10 @@ def main() -> None:
                         help="add DFlash and dflash-sa rows with a per-step adaptive draft length")
     parser.add_argument("--expert-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="as dflash-run's option of that name")
-    parser.add_argument("--bf16-drafter", action="store_true",
-                        help="add DFlash and dflash-sa rows whose drafter GEMMs run in bfloat16")
+    parser.add_argument("--drafter-gemm-dtype", choices=DRAFTER_GEMM_DTYPES, default="auto",
+                        help="as dflash-run's option of that name, for the DFlash and dflash-sa rows")
+    parser.add_argument("--also-drafter-gemm-dtype", choices=DRAFTER_GEMM_DTYPES[1:],
+                        help="add DFlash and dflash-sa rows (suffixed with it) whose drafter GEMMs run in this dtype")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -104,8 +110,12 @@ def main() -> None:
                 "ngram": ReferenceRuntime(target, NGramProposer(num_drafts=block - 1))}
     policies: dict[str, AdaptiveDraftLength] = {}
     first_threshold = int(args.sa_thresholds.split(",")[0])
-    for matmul_dtype in (None, torch.bfloat16) if args.bf16_drafter else (None,):
-        suffix = "" if matmul_dtype is None else "-bf16"
+    gemm_choices = [(args.drafter_gemm_dtype, "")]
+    if args.also_drafter_gemm_dtype:
+        gemm_choices.append((args.also_drafter_gemm_dtype, f"-{args.also_drafter_gemm_dtype}"))
+    for choice, suffix in gemm_choices:
+        matmul_dtype = drafter_gemm_dtype(choice, dtype, torch.device(args.device))
+        print(f"drafter GEMMs{suffix or ' (plain rows)'}: {str(matmul_dtype or dtype).removeprefix('torch.')}")
 
         def dflash(**kwargs) -> DFlashProposer:
             return DFlashProposer(drafter, target, matmul_dtype=matmul_dtype, **kwargs)

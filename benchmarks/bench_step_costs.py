@@ -3,8 +3,8 @@ autoregressive decoding against transformers' `generate` on the same target.
 
     python benchmarks/bench_step_costs.py [--target DIR --drafter DIR] [--prompts 16] [--max-tokens 128]
                                           [--batch-sizes 1,4,8] [--repeats 3] [--threads 1]
-                                          [--drafter-gemm-dtype auto|float32|bfloat16]
-                                          [--expert-dtype auto|float32|bfloat16]
+                                          [--drafter-gemm-dtype auto|float32|bfloat16|float16]
+                                          [--expert-dtype auto|float32|bfloat16|float16]
 
 Per repeat and batch size, three runs interleaved on the same prompts (greedy, no stop ids, so every
 run decodes the same length): our autoregressive loop, the DFlash loop, and `GptOssForCausalLM.generate`
@@ -37,7 +37,7 @@ import torch
 from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
 from trtllm_dflash.models.drafter import load_drafter
 from trtllm_dflash.models.drafter_config import DFlashConfig
-from trtllm_dflash.models.linear import NARROW_MIN_ROWS, drafter_gemm_dtype, gemm_dtype, onednn_packs
+from trtllm_dflash.models.linear import DRAFTER_GEMM_DTYPES, NARROW_MIN_ROWS, drafter_gemm_dtype, gemm_dtype, onednn_packs
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
 from trtllm_dflash.runtime.proposers import DFlashProposer
@@ -197,7 +197,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--expert-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="as dflash-run's option of that name (auto: timed at the first batch size)")
-    parser.add_argument("--drafter-gemm-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+    parser.add_argument("--drafter-gemm-dtype", choices=DRAFTER_GEMM_DTYPES, default="auto",
                         help="as dflash-run's option of that name")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -12,6 +12,7 @@ import torch
 
 from trtllm_dflash.checkpoints.publish import check_output_path
 from trtllm_dflash.errors import InputError
+from trtllm_dflash.models.linear import DRAFTER_GEMM_DTYPES, drafter_gemm_dtype
 from trtllm_dflash.prompts import encode_prompts, load_tokenizer, read_prompts_file
 
 from .common import clean_errors, resolve_device, resolve_dtype
@@ -225,7 +226,6 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
     from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
     from trtllm_dflash.models.drafter import load_drafter
     from trtllm_dflash.models.drafter_config import DFlashConfig
-    from trtllm_dflash.models.linear import drafter_gemm_dtype
     from trtllm_dflash.models.target import GptOssTarget
     from trtllm_dflash.runtime.proposers import DFlashProposer, NGramProposer, SuffixDFlashProposer
     from trtllm_dflash.runtime.reference import ReferenceRuntime
@@ -318,12 +318,14 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
                    "drafter step drafts the whole block and verifies as many drafts as their confidences pay for; "
                    "fixed: always the block's [default: adaptive for dflash / dflash-sa on the reference backend, else "
                    "fixed].")
-@click.option("--drafter-gemm-dtype", "drafter_gemm", type=click.Choice(["auto", "float32", "bfloat16"]),
+@click.option("--drafter-gemm-dtype", "drafter_gemm", type=click.Choice(DRAFTER_GEMM_DTYPES),
               help="dtype of the drafter step's GEMMs (weights and inputs; norms, attention and the residual stream "
-                   "keep --dtype), for GEMMs of at least 2^20 weights (a 4096 x 256 LM head; smaller ones are bound by "
-                   "the call, not the bytes, and keep --dtype) and, on CPU, calls of 16 rows or more. Drafts need "
-                   "not be exact: the target verifies them. auto: bfloat16 for a float32 drafter where bf16 GEMMs are native (CUDA, or a CPU with AVX512-BF16 "
-                   "through oneDNN), else --dtype [default: auto; reference backend, dflash and dflash-sa only].")
+                   "keep --dtype; on CPU float16 is fbgemm's GEMM on float16 weights with float32 inputs), for GEMMs "
+                   "of at least 2^20 weights (a 4096 x 256 LM head; smaller ones are bound by the call, not the "
+                   "bytes, and keep --dtype) and, for bfloat16 on CPU, calls of 16 rows or more. Drafts need not be "
+                   "exact: the target verifies them. auto, for a float32 drafter: bfloat16 where bf16 GEMMs are "
+                   "native (CUDA, or a CPU with AVX512-BF16 through oneDNN), else float16 where fbgemm runs (x86 "
+                   "CPUs), else --dtype [default: auto; reference backend, dflash and dflash-sa only].")
 @click.option("--expert-dtype", type=click.Choice(["auto", "float32", "bfloat16"]),
               help="How the reference runtime's MoE reads the target's experts: as --dtype, or (CPU, float32 experts "
                    "that bf16 holds exactly, as MXFP4 checkpoints' are) from bf16 copies cast back per GEMM; the same "

@@ -35,6 +35,17 @@ def test_cast_linear_is_a_rounded_linear_in_the_input_dtype(shape, with_bias):
     torch.testing.assert_close(plain(x), exact, rtol=1e-5, atol=1e-5)
 
 
+def onednn_reorders_bf16() -> bool:
+    """Whether oneDNN can lay out a bf16 weight on this CPU at all (it needs AVX-512 or AVX-NE-CONVERT,
+    even where it would emulate the GEMM), so a test can force the packed path on it."""
+    try:
+        linear.prepack(torch.zeros(8, 8, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not onednn_reorders_bf16(), reason="oneDNN cannot reorder bf16 weights on this CPU (AVX2 only)")
 @pytest.mark.parametrize("rows", [1, 7, 15])
 def test_a_packed_narrow_gemm_hands_few_rows_to_its_float32_copy(rows, monkeypatch):
     """Below NARROW_MIN_ROWS rows oneDNN's bf16 GEMM is no faster: the float32 copy serves them exactly."""
@@ -44,6 +55,30 @@ def test_a_packed_narrow_gemm_hands_few_rows_to_its_float32_copy(rows, monkeypat
     assert layer.packed and layer.few_rows is not None and rows < linear.NARROW_MIN_ROWS
     assert layer.native(x).dtype == torch.float32
     assert torch.equal(layer(x), CastLinear(weight, bias, torch.float32)(x))
+
+
+needs_fbgemm = pytest.mark.skipif(not linear.fbgemm_fp16(), reason="this torch build has no fbgemm (not x86)")
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("shape", [(7, 64), (1, 7, 64), (3, 7, 64)])
+def test_float16_gemm_on_cpu_is_fbgemms_on_float16_weights_with_float32_inputs(shape, with_bias):
+    """fbgemm rounds only the weight: a weight float16 holds exactly (bf16-born, like the drafter's) gives
+    the float32 GEMM to accumulation rounding; any other, the GEMM of its float16 rounding."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(96, shape[-1], generator=gen)
+    bias = torch.randn(96, generator=gen) if with_bias else None
+    x = torch.randn(shape, generator=gen)
+    layer = CastLinear(weight, bias, torch.float16)
+    assert layer.half and not layer.packed and layer.few_rows is None
+    got = layer(x)
+    assert got.dtype == torch.float32 and layer.native(x).dtype == torch.float32 and got.shape == (*shape[:-1], 96)
+    torch.testing.assert_close(got, F.linear(x, weight.half().float(), bias), rtol=1e-5, atol=1e-5)
+    exact = weight.bfloat16().float()
+    torch.testing.assert_close(CastLinear(exact, bias, torch.float16)(x), F.linear(x, exact, bias), rtol=1e-5, atol=1e-5)
+    sliced = torch.randn(2, 8, shape[-1], generator=gen)[:, 1:]  # the draft rows of a block, as the proposer passes them
+    torch.testing.assert_close(layer(sliced), F.linear(sliced, weight.half().float(), bias), rtol=1e-5, atol=1e-5)
 
 
 def test_cast_linear_passes_gradients_to_its_input():
@@ -78,8 +113,13 @@ def test_drafter_gemm_dtype_resolution(monkeypatch):
     assert drafter_gemm_dtype("bfloat16", torch.float32, CPU) == torch.bfloat16
     assert drafter_gemm_dtype("float32", torch.bfloat16, CPU) == torch.float32
     monkeypatch.setattr(linear, "native_bf16", lambda device: False)
-    assert drafter_gemm_dtype("auto", torch.float32, CPU) is None  # emulated bf16 would be slower
+    monkeypatch.setattr(linear, "fbgemm_fp16", lambda: True)
+    assert drafter_gemm_dtype("auto", torch.float32, CPU) == torch.float16  # emulated bf16 would be slower
+    assert drafter_gemm_dtype("auto", torch.bfloat16, CPU) is None
     assert drafter_gemm_dtype("bfloat16", torch.float32, CPU) == torch.bfloat16  # asked for: done
+    assert drafter_gemm_dtype("float16", torch.float32, CPU) == torch.float16
+    monkeypatch.setattr(linear, "fbgemm_fp16", lambda: False)  # e.g. an ARM build
+    assert drafter_gemm_dtype("auto", torch.float32, CPU) is None
 
 
 def test_target_lm_head_on_a_block_matches_row_by_row():

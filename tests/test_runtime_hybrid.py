@@ -346,18 +346,22 @@ def test_the_hybrid_refuses_a_policy_on_its_dflash_proposer(random_pair):
         SuffixDFlashProposer(DFlashProposer(drafter, target, policy=policy), 2, policy=policy)
 
 
-def test_bfloat16_drafter_gemms_stay_token_identical_and_close(random_pair, monkeypatch):
-    """With the drafter step's GEMMs in bf16 (`matmul_dtype`), its hidden states and draft logits differ
-    from the float32 ones by bf16 rounding only, and DFlash and the hybrid stay token-identical to generate.
-    (The random pair's GEMMs are all small, which bf16 would not serve: every one is narrowed here.)"""
+@pytest.mark.parametrize("narrow", [
+    torch.bfloat16,
+    pytest.param(torch.float16, marks=pytest.mark.skipif(not linear.fbgemm_fp16(), reason="no fbgemm (not x86)"))])
+def test_narrower_drafter_gemms_stay_token_identical_and_close(random_pair, monkeypatch, narrow):
+    """With the drafter step's GEMMs in bf16 or (fbgemm, float16 weights) float16 (`matmul_dtype`), its
+    hidden states and draft logits differ from the float32 ones by that rounding only, and DFlash and the
+    hybrid stay token-identical to generate. (The random pair's GEMMs are all small, which a narrower
+    dtype would not serve: every one is narrowed here.)"""
     target, drafter, prompts, expected = random_pair
-    assert DFlashProposer(drafter, target, matmul_dtype=torch.bfloat16).head is None  # the target's own head serves
+    assert DFlashProposer(drafter, target, matmul_dtype=narrow).head is None  # the target's own head serves
     monkeypatch.setattr(linear, "NARROW_MIN_WEIGHTS", 0)
     monkeypatch.setattr(linear, "NARROW_MIN_ROWS", 0)
     monkeypatch.setattr(drafter, "_fused", None)  # fused weights built under the default rule
     params = SamplingParams(max_tokens=24)
-    fast = DFlashProposer(drafter, target, matmul_dtype=torch.bfloat16)
-    for proposer in (fast, SuffixDFlashProposer(DFlashProposer(drafter, target, matmul_dtype=torch.bfloat16), 2)):
+    fast = DFlashProposer(drafter, target, matmul_dtype=narrow)
+    for proposer in (fast, SuffixDFlashProposer(DFlashProposer(drafter, target, matmul_dtype=narrow), 2)):
         results = ReferenceRuntime(target, proposer).generate(prompts, params, batch_size=3)
         assert [r.output_token_ids for r in results] == expected
     cfg = drafter.config
@@ -365,13 +369,13 @@ def test_bfloat16_drafter_gemms_stay_token_identical_and_close(random_pair, monk
     block = torch.randn(2, cfg.block_size, cfg.hidden_size)
     positions = 9 + torch.arange(cfg.block_size).expand(2, -1)
     hidden = {}
-    for dtype in (None, torch.bfloat16):
+    for dtype in (None, narrow):
         cache = drafter.new_cache(2, 9 + cfg.block_size)
         drafter.write_context(features, torch.arange(9).expand(2, -1), cache, dtype)
         hidden[dtype] = drafter(block, positions, cache, torch.tensor([9, 9]), dtype)
-    assert hidden[torch.bfloat16].dtype == torch.float32
-    assert not torch.equal(hidden[torch.bfloat16], hidden[None])
-    torch.testing.assert_close(hidden[torch.bfloat16], hidden[None], rtol=0.05, atol=0.05)
+    assert hidden[narrow].dtype == torch.float32
+    assert not torch.equal(hidden[narrow], hidden[None])
+    torch.testing.assert_close(hidden[narrow], hidden[None], rtol=0.05, atol=0.05)
     exact = DFlashProposer(drafter, target).draft_logits(hidden[None])
     rounded = fast.draft_logits(hidden[None])
     assert rounded.dtype == torch.float32 and rounded.shape == exact.shape

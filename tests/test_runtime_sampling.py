@@ -103,13 +103,16 @@ def test_hybrid_samples_follow_target_distribution(pair):
     assert p_value > ALPHA, f"dflash-sa samples deviate from the target distribution (p = {p_value:.2e})"
 
 
-@pytest.mark.parametrize("neural_costs", [[1.0, 1.1, 1.2, 1.3], [1.0, 2.0, 2.1, 2.2]])
-def test_adaptive_draft_length_with_bf16_drafter_gemms_samples_follow_target_distribution(pair, neural_costs,
-                                                                                         monkeypatch):
+@pytest.mark.parametrize("neural_costs,narrow", [
+    ([1.0, 1.1, 1.2, 1.3], torch.bfloat16), ([1.0, 2.0, 2.1, 2.2], torch.bfloat16),
+    pytest.param([1.0, 1.1, 1.2, 1.3], torch.float16,
+                 marks=pytest.mark.skipif(not linear.fbgemm_fp16(), reason="no fbgemm (not x86)"))])
+def test_adaptive_draft_length_with_narrower_drafter_gemms_samples_follow_target_distribution(
+        pair, neural_costs, narrow, monkeypatch):
     """dflash-sa at T=0.7 with a K chosen per step from past acceptance and the draft distribution q
-    from a drafter whose GEMMs (LM head included; all of them, small as they are) run in bf16: still the
-    target's distribution. Where drafting rarely pays (second cost table) the policy takes steps
-    without drafts (K = 0) between its drafts."""
+    from a drafter whose GEMMs (LM head included; all of them, small as they are) run in bf16 or
+    float16: still the target's distribution. Where drafting rarely pays (second cost table) the
+    policy takes steps without drafts (K = 0) between its drafts."""
     hf, target, drafter = pair
     monkeypatch.setattr(linear, "NARROW_MIN_WEIGHTS", 0)
     monkeypatch.setattr(linear, "NARROW_MIN_ROWS", 0)
@@ -117,7 +120,7 @@ def test_adaptive_draft_length_with_bf16_drafter_gemms_samples_follow_target_dis
     def params(seed):
         return SamplingParams(max_tokens=3, temperature=0.7, seed=seed)
     policy = AdaptiveDraftLength({"neural": neural_costs, "suffix": [1.0, 1.1, 1.2, 1.3]})
-    hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target, matmul_dtype=torch.bfloat16), threshold=1, policy=policy)
+    hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target, matmul_dtype=narrow), threshold=1, policy=policy)
     counts, histogram, _ = speculative_counts(target, drafter, params, hybrid)
     if neural_costs[1] >= 2:
         assert 0 in policy.chosen["neural"] and any(policy.chosen["neural"])

@@ -13,10 +13,17 @@ Two facts about small GEMMs on this project's CPUs shape it (docs/benchmarks.md,
   slower in bf16 inside the loop than as float32 on its weight stored [in, out] (bound by the call and
   the weight's bytes alike), while at 56 rows (a batch of 8) float32 takes 2.8x bf16's time (bound by
   arithmetic, where AMX and AVX512-BF16 double the rate); so a packed GEMM keeps the float32 copy too.
+Where bf16 is not native, float16 serves the same large GEMMs on x86 CPUs through fbgemm's fp16-weight
+GEMM (float32 inputs and accumulation, the weight halved and prepacked once): the drafter's 7-row LM head
+ran in half the time of the float32 one, in isolation and inside the loop (2.0x and 1.2x the drafter
+step on an AMD EPYC VM, round 9), while GEMMs of 2^18 weights or fewer gained nothing. The drafter's
+weights are bf16 at heart, which float16 holds exactly (down to 6e-5), so its drafts barely move.
 Elsewhere (CUDA) a GEMM is `F.linear` on the weight copy.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.nn import functional as F
@@ -49,6 +56,21 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+@functools.cache
+def fbgemm_fp16() -> bool:
+    """Whether this torch build carries fbgemm's fp16-weight GEMM (x86 CPU builds do; ARM ones don't)."""
+    try:
+        torch.ops.quantized.linear_prepack_fp16(torch.zeros(1, 1), None)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return True
+
+
+def half_weights(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a float16 GEMM here is fbgemm's, on a float16 copy of the weight with float32 inputs."""
+    return device.type == "cpu" and dtype == torch.float16 and fbgemm_fp16()
+
+
 def native_bf16(device: torch.device) -> bool:
     """Whether bf16 GEMMs are a speed-up on this device (CUDA, or a CPU that packs them for oneDNN)."""
     return device.type == "cuda" or onednn_packs(torch.bfloat16, device)
@@ -63,9 +85,10 @@ def gemm_dtype(weight: torch.Tensor, wanted: torch.dtype | None) -> torch.dtype:
 
 
 class CastLinear:
-    """y = x @ W.T + b with W, b and the GEMM's input in `dtype`; y comes back in x's dtype.
+    """y = x @ W.T + b with W, b and the GEMM's input in `dtype` (fbgemm's float16 GEMM: W only); y comes back in
+    x's dtype.
     Built once from (copies of) the weight; the caller rebuilds it when the weight changes. Gradients
-    flow to x (not to the copies) except through oneDNN's packed op, which has none.
+    flow to x (not to the copies) except through oneDNN's packed op and fbgemm's fp16 one, which have none.
 
     A step of a small model is bound by the count of ops Python dispatches (~10 us each inside a step
     on this project's CPU, views and no-op casts included), so a GEMM in the input's dtype is the one
@@ -80,11 +103,16 @@ class CastLinear:
         cache, where a copy of its own would be read from memory; 7% of DFlash's speed-up, round 7)."""
         self.dtype, self.out_features = dtype, weight.shape[0]
         self.packed = onednn_packs(dtype, weight.device)
+        self.half = half_weights(dtype, weight.device)
         wider = self.packed and weight.dtype.itemsize > dtype.itemsize
         if not wider:
             self.few_rows = None
         else:
             self.few_rows = few_rows if few_rows is not None else CastLinear(weight, bias, weight.dtype)
+        if self.half:  # fbgemm rounds the weight to float16 itself; inputs, bias and output stay float32
+            self.bias = None if bias is None else bias.detach().float()
+            self.weight = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), self.bias)
+            return
         weight = weight.detach().to(dtype)
         self.bias = None if bias is None else bias.detach().to(dtype)
         if self.packed:
@@ -101,6 +129,8 @@ class CastLinear:
         promotes it; the next GEMM of the same dtype reads it directly), one copy less each way."""
         if self.few_rows is not None and x.numel() < NARROW_MIN_ROWS * x.shape[-1]:
             return self.few_rows.native(x)
+        if self.half:  # float32 in and out
+            return torch.ops.quantized.linear_dynamic_fp16(cast(x, torch.float32), self.weight)
         x = cast(x, self.dtype)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
@@ -108,11 +138,19 @@ class CastLinear:
         return packed_linear(flat, self.weight, self.bias).view(*x.shape[:-1], self.out_features)
 
 
+DRAFTER_GEMM_DTYPES = ("auto", "float32", "bfloat16", "float16")  # the choices of `drafter_gemm_dtype`
+
+
 def drafter_gemm_dtype(choice: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
     """`dflash-run --drafter-gemm-dtype` -> `DFlashProposer(matmul_dtype=...)` (None: the model's dtype),
     the dtype of the drafter step's GEMMs where `gemm_dtype` admits it.
-    auto: bfloat16 for a float32 drafter where bf16 GEMMs are native here, else the model's dtype."""
+    auto, for a float32 drafter: bfloat16 where bf16 GEMMs are native here, else float16 where fbgemm's
+    fp16-weight GEMM runs (x86 CPUs), else the model's dtype."""
     if choice == "auto":
-        return torch.bfloat16 if model_dtype == torch.float32 and native_bf16(device) else None
-    wanted = {"float32": torch.float32, "bfloat16": torch.bfloat16}[choice]
+        if model_dtype != torch.float32:
+            return None
+        if native_bf16(device):
+            return torch.bfloat16
+        return torch.float16 if half_weights(torch.float16, device) else None
+    wanted = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[choice]
     return None if wanted == model_dtype else wanted
