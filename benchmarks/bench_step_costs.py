@@ -4,7 +4,7 @@ autoregressive decoding against transformers' `generate` on the same target.
     python benchmarks/bench_step_costs.py [--target DIR --drafter DIR] [--prompts 16] [--max-tokens 128]
                                           [--batch-sizes 1,4,8] [--repeats 3] [--threads 1]
                                           [--drafter-gemm-dtype auto|float32|bfloat16|float16]
-                                          [--expert-dtype auto|float32|bfloat16|float16]
+                                          [--expert-dtype auto|float32|bfloat16]
 
 Per repeat and batch size, three runs interleaved on the same prompts (greedy, no stop ids, so every
 run decodes the same length): our autoregressive loop, the DFlash loop, and `GptOssForCausalLM.generate`

@@ -14,9 +14,9 @@ Two facts about small GEMMs on this project's CPUs shape it (docs/benchmarks.md,
   the weight's bytes alike), while at 56 rows (a batch of 8) float32 takes 2.8x bf16's time (bound by
   arithmetic, where AMX and AVX512-BF16 double the rate); so a packed GEMM keeps the float32 copy too.
 Where bf16 is not native, float16 serves the same large GEMMs on x86 CPUs through fbgemm's fp16-weight
-GEMM (float32 inputs and accumulation, the weight halved and prepacked once): the drafter's 7-row LM head
-ran in half the time of the float32 one, in isolation and inside the loop (2.0x and 1.2x the drafter
-step on an AMD EPYC VM, round 9), while GEMMs of 2^18 weights or fewer gained nothing. The drafter's
+GEMM (float32 inputs and accumulation, the weight halved and prepacked once): on an AVX2 AMD EPYC VM
+the drafter's 7-row LM head ran in half the float32 time in isolation, and the drafter step in 0.81x
+its time inside the loop (round 9), while GEMMs of 2^18 weights or fewer gained nothing. The drafter's
 weights are bf16 at heart, which float16 holds exactly (down to 6e-5), so its drafts barely move.
 Elsewhere (CUDA) a GEMM is `F.linear` on the weight copy.
 """
