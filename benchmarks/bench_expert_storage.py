@@ -1,6 +1,6 @@
-"""The target's MoE reading its experts as float32 originals or as exact bf16 copies cast back per GEMM
-(`GptOssTarget.use_expert_storage`, chosen at start-up by `dflash-run --expert-dtype auto`): both
-side by side in one process, on the embedded pair (or --target/--drafter).
+"""The target's MoE reading its experts as float32 originals, as exact bf16 copies cast back per GEMM or
+as fbgemm's float16 copies (`GptOssTarget.use_expert_storage`, chosen at start-up by `dflash-run
+--expert-dtype auto`): each side by side in one process, on the embedded pair (or --target/--drafter).
 
     python benchmarks/bench_expert_storage.py [--target DIR --drafter DIR] [--prompts 16] [--max-tokens 128]
                                               [--repeats 3] [--threads 1]
@@ -9,7 +9,7 @@ Per repeat and prompt, each storage in turn (the order alternating by prompt, so
 runs autoregressive decoding, DFlash (fixed block, drafter GEMMs float32) and n-gram prompt lookup on
 that prompt. Reported per storage, totals over all runs: the AR step and the DFlash verify and drafter
 steps from the loop's own timers, each method's decode tokens/s, and DFlash's and n-gram's speed-up
-over the AR run of the same storage. Both storages give the same tokens (checked). After that, the
+over the AR run of the same storage. Every storage gives the same tokens (checked). After that, the
 start-up timing `--expert-dtype auto` makes, five times, and which storage it picked each time.
 """
 

@@ -72,7 +72,7 @@ def main() -> None:
                         help="dflash-sa rows at these suffix-match thresholds (comma-separated)")
     parser.add_argument("--adaptive", action="store_true",
                         help="add DFlash and dflash-sa rows with a per-step adaptive draft length")
-    parser.add_argument("--expert-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+    parser.add_argument("--expert-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="as dflash-run's option of that name")
     parser.add_argument("--drafter-gemm-dtype", choices=DRAFTER_GEMM_DTYPES, default="auto",
                         help="as dflash-run's option of that name, for the DFlash and dflash-sa rows")

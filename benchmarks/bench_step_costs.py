@@ -4,7 +4,7 @@ autoregressive decoding against transformers' `generate` on the same target.
     python benchmarks/bench_step_costs.py [--target DIR --drafter DIR] [--prompts 16] [--max-tokens 128]
                                           [--batch-sizes 1,4,8] [--repeats 3] [--threads 1]
                                           [--drafter-gemm-dtype auto|float32|bfloat16|float16]
-                                          [--expert-dtype auto|float32|bfloat16]
+                                          [--expert-dtype auto|float32|bfloat16|float16]
 
 Per repeat and batch size, three runs interleaved on the same prompts (greedy, no stop ids, so every
 run decodes the same length): our autoregressive loop, the DFlash loop, and `GptOssForCausalLM.generate`
@@ -195,7 +195,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,4,8")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--expert-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+    parser.add_argument("--expert-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="as dflash-run's option of that name (auto: timed at the first batch size)")
     parser.add_argument("--drafter-gemm-dtype", choices=DRAFTER_GEMM_DTYPES, default="auto",
                         help="as dflash-run's option of that name")

@@ -326,11 +326,12 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
                    "exact: the target verifies them. auto, for a float32 drafter: bfloat16 where bf16 GEMMs are "
                    "native (CUDA, or a CPU with AVX512-BF16 through oneDNN), else float16 where fbgemm runs (x86 "
                    "CPUs), else --dtype [default: auto; reference backend, dflash and dflash-sa only].")
-@click.option("--expert-dtype", type=click.Choice(["auto", "float32", "bfloat16"]),
+@click.option("--expert-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               help="How the reference runtime's MoE reads the target's experts: as --dtype, or (CPU, float32 experts "
-                   "that bf16 holds exactly, as MXFP4 checkpoints' are) from bf16 copies cast back per GEMM; the same "
-                   "numbers either way. auto: the faster of the two, timed at start-up (it depends on the "
-                   "machine) [default: auto; reference backend only].")
+                   "that bf16 holds exactly, as MXFP4 checkpoints' are) from bf16 copies cast back per GEMM (the same "
+                   "numbers) or from float16 copies for fbgemm's GEMM, float32 math (x86; the same to float32 "
+                   "rounding). auto: the fastest, timed at start-up (it depends on the machine) [default: auto; "
+                   "reference backend only].")
 @click.option("--backend", type=click.Choice(["auto", "trtllm", "reference"]), default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (reference backend).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",

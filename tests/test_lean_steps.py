@@ -9,8 +9,9 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
 from trtllm_dflash.models.drafter import InferenceWeights
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
+from trtllm_dflash.models.linear import fbgemm_fp16
 from trtllm_dflash.models.target import (GptOssTarget, attention_bias, causal_mask, compact_copy, fused_attention,
-                                         routed_experts, sink_attention)
+                                         half_copies, routed_experts, sink_attention)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -36,9 +37,10 @@ def test_routed_experts_equal_transformers_mlp(tokens, experts, top_k, dtype):
         torch.testing.assert_close(got, expected[0], rtol=1.6e-2, atol=1e-2)
 
 
-def test_experts_read_from_exact_bf16_copies_give_the_same_numbers():
+def test_experts_read_from_exact_copies_give_the_same_numbers():
     """Experts that bf16 holds exactly (as MXFP4 ones) are kept as bf16 copies and cast back per GEMM:
-    bit-identical to the float32 weights. Others (random float32) stay as they are."""
+    bit-identical to the float32 weights; and as fbgemm's float16 copies where it runs: the same to
+    float32 rounding. Others (random float32) get neither."""
     config = tiny_target_config(experts=8, top_k=2)
     torch.manual_seed(3)
     mlp = GptOssMLP(config).eval()
@@ -46,6 +48,7 @@ def test_experts_read_from_exact_bf16_copies_give_the_same_numbers():
         torch.nn.init.normal_(p, std=0.5)
     experts = mlp.experts
     assert compact_copy(experts.gate_up_proj).dtype == torch.float32  # random float32: no exact bf16 copy
+    assert half_copies(experts.gate_up_proj) is None
     with torch.no_grad():
         experts.gate_up_proj.copy_(experts.gate_up_proj.bfloat16().float())
         experts.down_proj.copy_(experts.down_proj.bfloat16().float())
@@ -53,27 +56,38 @@ def test_experts_read_from_exact_bf16_copies_give_the_same_numbers():
     assert gate_up.dtype == down.dtype == torch.bfloat16
     x = torch.randn(8, config.hidden_size)
     with torch.inference_mode():
-        assert torch.equal(routed_experts(x, mlp, gate_up, down), routed_experts(x, mlp))
+        expected = routed_experts(x, mlp)
+        assert torch.equal(routed_experts(x, mlp, gate_up, down), expected)
+        if fbgemm_fp16():
+            half = half_copies(experts.gate_up_proj), half_copies(experts.down_proj)
+            assert all(isinstance(copies, list) and len(copies) == 8 for copies in half)
+            torch.testing.assert_close(routed_experts(x, mlp, *half), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_embedded_targets_mxfp4_experts_read_from_either_storage_give_the_same_logits():
-    """MXFP4 experts: float32 originals and exact bf16 copies, switchable, the same numbers; a target with
-    random float32 experts has one storage."""
+def test_the_embedded_targets_mxfp4_experts_read_from_each_storage_give_the_same_logits():
+    """MXFP4 experts: float32 originals, exact bf16 copies and (where fbgemm runs) float16 ones, switchable;
+    the same logits from the bf16 copies, the same to float32 rounding and the same greedy tokens from the
+    float16 ones; a target with random float32 experts has one storage."""
     from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
     from trtllm_dflash.embedded import pair_paths
 
     target = GptOssTarget(load_hf_gpt_oss(pair_paths()[0]))
     assert target.hf.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
-    assert list(target.expert_storages) == ["float32", "bfloat16"] and target.expert_storage == "bfloat16"
+    expected = ["float32", "bfloat16"] + (["float16"] if fbgemm_fp16() else [])
+    assert list(target.expert_storages) == expected and target.expert_storage == "float32"
+    assert target.head.half == fbgemm_fp16()  # its bf16 LM head fits float16
     tokens = torch.randint(0, target.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(12).expand(2, -1)
     logits = {}
-    for storage in ("bfloat16", "float32"):
+    for storage in reversed(expected):
         target.use_expert_storage(storage)
-        assert all(getattr(target, f"{name}_{i}").dtype == getattr(torch, storage)
-                   for i in range(target.num_layers) for name in ("gate_up", "down"))
+        assert target.expert_weights is target.expert_storages[storage]
         logits[storage], _ = target(tokens, positions, target.new_cache(2, 12), [])
+    assert target.expert_storage == "float32"
     assert torch.equal(logits["bfloat16"], logits["float32"])
+    if "float16" in logits:
+        torch.testing.assert_close(logits["float16"], logits["float32"], rtol=1e-5, atol=1e-4)
+        assert torch.equal(logits["float16"].argmax(-1), logits["float32"].argmax(-1))
     assert list(GptOssTarget(random_target(tiny_target_config())).expert_storages) == ["float32"]
 
 

@@ -46,15 +46,22 @@ def onednn_reorders_bf16() -> bool:
 
 
 @pytest.mark.skipif(not onednn_reorders_bf16(), reason="oneDNN cannot reorder bf16 weights on this CPU (AVX2 only)")
+@pytest.mark.parametrize("fbgemm", [True, False])
 @pytest.mark.parametrize("rows", [1, 7, 15])
-def test_a_packed_narrow_gemm_hands_few_rows_to_its_float32_copy(rows, monkeypatch):
-    """Below NARROW_MIN_ROWS rows oneDNN's bf16 GEMM is no faster: the float32 copy serves them exactly."""
+def test_a_packed_narrow_gemm_hands_few_rows_to_a_wider_copy(rows, fbgemm, monkeypatch):
+    """Below NARROW_MIN_ROWS rows oneDNN's bf16 GEMM loses to a copy with float32 inputs: fbgemm's
+    float16 one where it runs, else the float32 one."""
+    if fbgemm and not linear.fbgemm_fp16():
+        pytest.skip("this torch build has no fbgemm (not x86)")
     monkeypatch.setattr(linear, "onednn_packs", lambda dtype, device: dtype == torch.bfloat16)  # any CPU
+    monkeypatch.setattr(linear, "fbgemm_fp16", lambda: fbgemm)
     weight, bias, x = torch.randn(48, 64), torch.randn(48), torch.randn(1, rows, 64)
     layer = CastLinear(weight, bias, torch.bfloat16)
     assert layer.packed and layer.few_rows is not None and rows < linear.NARROW_MIN_ROWS
+    assert layer.few_rows.dtype == (torch.float16 if fbgemm else torch.float32)
     assert layer.native(x).dtype == torch.float32
-    assert torch.equal(layer(x), CastLinear(weight, bias, torch.float32)(x))
+    assert torch.equal(layer(x), layer.few_rows(x))
+    torch.testing.assert_close(layer(x), F.linear(x, weight.half().float() if fbgemm else weight, bias))
 
 
 needs_fbgemm = pytest.mark.skipif(not linear.fbgemm_fp16(), reason="this torch build has no fbgemm (not x86)")
@@ -96,13 +103,36 @@ def test_cast_linear_without_onednn_uses_a_bf16_weight_copy(monkeypatch):
     torch.testing.assert_close(layer(x), F.linear(x.bfloat16(), weight.bfloat16()).float(), rtol=0.01, atol=0.01)
 
 
-def test_a_narrower_gemm_dtype_serves_only_large_weights():
-    """A small GEMM is bound by the call, not by reading its weight: it keeps the weight's dtype."""
+def test_a_narrower_gemm_dtype_serves_only_large_weights_except_fbgemms_float16(monkeypatch):
+    """A small GEMM is bound by the call, not by reading its weight: bf16 (oneDNN's call) serves only large
+    ones; a small one keeps its dtype, or takes fbgemm's float16 where it runs, which pays at every size."""
     large, small = torch.empty(NARROW_MIN_WEIGHTS // 256, 256), torch.empty(1024, 256)
+    monkeypatch.setattr(linear, "fbgemm_fp16", lambda: False)
     assert gemm_dtype(large, torch.bfloat16) == torch.bfloat16
     assert gemm_dtype(small, torch.bfloat16) == torch.float32
     assert gemm_dtype(small, None) == torch.float32
     assert gemm_dtype(small.bfloat16(), torch.float32) == torch.float32  # a wider dtype is never refused
+    assert gemm_dtype(small, torch.float16) == torch.float32
+    monkeypatch.setattr(linear, "fbgemm_fp16", lambda: True)
+    assert gemm_dtype(large, torch.bfloat16) == torch.bfloat16
+    assert gemm_dtype(small, torch.bfloat16) == torch.float16
+    assert gemm_dtype(small, torch.float16) == gemm_dtype(large, torch.float16) == torch.float16
+    assert gemm_dtype(small, None) == torch.float32
+    assert gemm_dtype(small.to("meta"), torch.float16) == torch.float32  # not a CPU: no fbgemm
+
+
+def test_fits_half_admits_what_float16_holds_to_float32_accuracy():
+    """bf16 values in float16's range are held exactly; values below its normal range round by at most
+    2^-25; random float32 values, values past 65504 and non-float32 tensors do not qualify."""
+    born_bf16 = (torch.randn(64, 32) * 0.05).bfloat16().float()
+    assert linear.fits_half(born_bf16)
+    tiny = born_bf16.clone()
+    tiny[0, :4] = torch.tensor([2.0**-20, -3 * 2.0**-22, 2.0**-30, 1.5 * 2.0**-15])
+    assert linear.fits_half(tiny) and not torch.equal(tiny.half().float(), tiny)
+    assert (tiny.half().float() - tiny).abs().max() <= 2.0**-25
+    assert not linear.fits_half(torch.randn(64, 32))
+    assert not linear.fits_half(torch.full((2, 2), 70000.0))
+    assert not linear.fits_half(born_bf16.bfloat16())
 
 
 def test_drafter_gemm_dtype_resolution(monkeypatch):
@@ -122,9 +152,25 @@ def test_drafter_gemm_dtype_resolution(monkeypatch):
     assert drafter_gemm_dtype("auto", torch.float32, CPU) is None
 
 
-def test_target_lm_head_on_a_block_matches_row_by_row():
-    """A verify block's logits equal each row's own to float32 rounding."""
-    target = GptOssTarget(random_target(tiny_target_config(), seed=3).float())
+def target_with_head(half: bool) -> GptOssTarget:
+    """A tiny float32 target whose LM head is float32 random (its own copy, float32) or bf16-born (fbgemm's
+    float16 copy, where fbgemm runs)."""
+    if half and not linear.fbgemm_fp16():
+        pytest.skip("this torch build has no fbgemm (not x86)")
+    hf = random_target(tiny_target_config(), seed=3).float()
+    if half:
+        with torch.no_grad():
+            hf.lm_head.weight.copy_(hf.lm_head.weight.bfloat16().float())
+    target = GptOssTarget(hf)
+    assert target.head.half == half and target.head.dtype == (torch.float16 if half else torch.float32)
+    return target
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_target_lm_head_on_a_block_matches_row_by_row(half):
+    """A verify block's logits equal each row's own to float32 rounding, and the float32 head's, whichever
+    copy serves them."""
+    target = target_with_head(half)
     hidden = torch.randn(2, 8, target.hidden_size)
     block = target.lm_head(hidden)
     rows = torch.stack([torch.stack([target.lm_head(hidden[b, t][None])[0] for t in range(8)]) for b in range(2)])
@@ -134,10 +180,11 @@ def test_target_lm_head_on_a_block_matches_row_by_row():
                                rtol=1e-5, atol=1e-5)
 
 
-def test_target_lm_head_keeps_gradients_for_training():
-    """Training backpropagates through the (frozen) head into the drafter: the packed op, which has
-    no autograd, must not serve inputs that need gradients."""
-    target = GptOssTarget(random_target(tiny_target_config(), seed=3).float())
+@pytest.mark.parametrize("half", [False, True])
+def test_target_lm_head_keeps_gradients_for_training(half):
+    """Training backpropagates through the (frozen) head into the drafter: fbgemm's op, which has no
+    autograd, must not serve inputs that need gradients."""
+    target = target_with_head(half)
     hidden = torch.randn(3, 5, target.hidden_size, requires_grad=True)
     target.lm_head(hidden).logsumexp(-1).sum().backward()
     assert hidden.grad is not None and hidden.grad.abs().sum() > 0

@@ -7,17 +7,24 @@ Two facts about small GEMMs on this project's CPUs shape it (docs/benchmarks.md,
   weight (the drafter's LM head) halves its bytes in bf16 through oneDNN, whose CPU path takes the
   weight reordered once into its blocked layout (`mkldnn._reorder_linear_weight`, what inductor's CPU
   freezing pass does for bf16 linears). But a oneDNN call costs ~25 us more than MKL's, more than a
-  small GEMM's halved bytes give back, so a narrower dtype only serves GEMMs with at least
-  `NARROW_MIN_WEIGHTS` weights (`gemm_dtype`): the LM head here, every GEMM of a gpt-oss-120b drafter.
+  small GEMM's halved bytes give back, so bf16 only serves GEMMs with at least `NARROW_MIN_WEIGHTS`
+  weights (`gemm_dtype`): the LM head here, every GEMM of a gpt-oss-120b drafter.
   And only at `NARROW_MIN_ROWS` rows or more: at a lone request's 7 draft rows the LM head ran 3-5%
   slower in bf16 inside the loop than as float32 on its weight stored [in, out] (bound by the call and
   the weight's bytes alike), while at 56 rows (a batch of 8) float32 takes 2.8x bf16's time (bound by
-  arithmetic, where AMX and AVX512-BF16 double the rate); so a packed GEMM keeps the float32 copy too.
-Where bf16 is not native, float16 serves the same large GEMMs on x86 CPUs through fbgemm's fp16-weight
-GEMM (float32 inputs and accumulation, the weight halved and prepacked once): on an AVX2 AMD EPYC VM
-the drafter's 7-row LM head ran in half the float32 time in isolation, and the drafter step in 0.81x
-its time inside the loop (round 9), while GEMMs of 2^18 weights or fewer gained nothing. The drafter's
-weights are bf16 at heart, which float16 holds exactly (down to 6e-5), so its drafts barely move.
+  arithmetic, where AMX and AVX512-BF16 double the rate); so a packed GEMM keeps a copy for fewer rows
+  (float32 on that Intel VM; fbgemm's float16 where it runs, below).
+fbgemm's fp16-weight GEMM (x86 CPU builds) multiplies a float16 copy of the weight, prepacked once, with
+float32 inputs, products and sums. Two uses:
+- Exact-class GEMMs of the target: where float16 holds the float32 weight to float32's own accuracy
+  (`fits_half`: bf16 weights, MXFP4 experts), its result is the float32 GEMM's up to summation order,
+  like MKL's, from half the bytes. The target's LM head runs that way (`exact_half`).
+- The drafter's GEMMs, at every size: on an AVX512 AMD EPYC VM the drafter step ran in 0.76x its time
+  inside the loop with every GEMM in float16 against float32 ones beside a bf16 LM head (round 10), and
+  on an AVX2 one its 7-row LM head in half the float32 time (round 9). Where bf16 is native, oneDNN's
+  bf16 GEMM is twice fbgemm's rate at 56 rows and more, so a bf16 drafter keeps its LM head packed in
+  bf16 and hands fewer rows to fbgemm: 0.15 ms less per drafter step than bf16 at a lone request's 7
+  rows there (round 10). The drafter's weights are bf16 at heart, which float16 holds (down to 6e-5).
 Elsewhere (CUDA) a GEMM is `F.linear` on the weight copy.
 """
 
@@ -71,16 +78,34 @@ def half_weights(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.float16 and fbgemm_fp16()
 
 
+def fits_half(weight: torch.Tensor) -> bool:
+    """Whether float16 holds this float32 weight to float32's accuracy: every value exactly, except those
+    below float16's normal range (2^-14), which it rounds by at most 2^-25. bf16 weights within float16's
+    range (gpt-oss checkpoints' dense ones) and MXFP4 experts qualify; random float32 ones do not."""
+    if weight.dtype != torch.float32:
+        return False
+    weight = weight.detach()
+    return bool(((weight.half().float() == weight) | (weight.abs() < 2**-14)).all())
+
+
+def exact_half(weight: torch.Tensor) -> bool:
+    """Whether a GEMM over this float32 weight can run through fbgemm's fp16-weight GEMM at float32's accuracy."""
+    return half_weights(torch.float16, weight.device) and fits_half(weight)
+
+
 def native_bf16(device: torch.device) -> bool:
     """Whether bf16 GEMMs are a speed-up on this device (CUDA, or a CPU that packs them for oneDNN)."""
     return device.type == "cuda" or onednn_packs(torch.bfloat16, device)
 
 
 def gemm_dtype(weight: torch.Tensor, wanted: torch.dtype | None) -> torch.dtype:
-    """The dtype of a GEMM over `weight` when `wanted` is asked (None: the weight's own): a narrower
-    dtype only for a weight of at least `NARROW_MIN_WEIGHTS` (see the module's docstring)."""
-    if wanted is None or (wanted.itemsize < weight.dtype.itemsize and weight.numel() < NARROW_MIN_WEIGHTS):
-        return weight.dtype
+    """The dtype of a GEMM over `weight` when `wanted` is asked (None: the weight's own): fbgemm's float16
+    at any size; another narrower dtype only for a weight of at least `NARROW_MIN_WEIGHTS`, a smaller one
+    in fbgemm's float16 where it runs, else in its own dtype (see the module's docstring)."""
+    if wanted is None or half_weights(wanted, weight.device):
+        return weight.dtype if wanted is None else wanted
+    if wanted.itemsize < weight.dtype.itemsize and weight.numel() < NARROW_MIN_WEIGHTS:
+        return torch.float16 if half_weights(torch.float16, weight.device) else weight.dtype
     return wanted
 
 
@@ -97,10 +122,11 @@ class CastLinear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  few_rows: "CastLinear | None" = None):
-        """`few_rows`: the GEMM of the same weight in its own, wider dtype that serves a packed GEMM's
-        calls of fewer than `NARROW_MIN_ROWS` rows; None: a copy made here. Pass the one the model
-        already runs (the drafter's logits pass the target's LM head: a verify has just read it into
-        cache, where a copy of its own would be read from memory; 7% of DFlash's speed-up, round 7)."""
+        """`few_rows`: the GEMM of the same weight that serves a packed GEMM's calls of fewer than
+        `NARROW_MIN_ROWS` rows; None: a copy made here, in fbgemm's float16 where it runs, else in the
+        weight's own dtype. Pass the one the model already runs (the drafter's logits pass the target's
+        LM head: a verify has just read it into cache, where a copy of its own would be read from memory;
+        7% of DFlash's speed-up, round 7)."""
         self.dtype, self.out_features = dtype, weight.shape[0]
         self.packed = onednn_packs(dtype, weight.device)
         self.half = half_weights(dtype, weight.device)
@@ -108,7 +134,8 @@ class CastLinear:
         if not wider:
             self.few_rows = None
         else:
-            self.few_rows = few_rows if few_rows is not None else CastLinear(weight, bias, weight.dtype)
+            narrower = torch.float16 if half_weights(torch.float16, weight.device) else weight.dtype
+            self.few_rows = few_rows if few_rows is not None else CastLinear(weight, bias, narrower)
         if self.half:  # fbgemm rounds the weight to float16 itself; inputs, bias and output stay float32
             self.bias = None if bias is None else bias.detach().float()
             self.weight = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), self.bias)

@@ -57,10 +57,11 @@ class DFlashProposer:
     step drafts the whole block (at most the loop's K) and verifies as many drafts as their confidences
     pay for (`AdaptiveDraftLength.truncate`).
     With `matmul_dtype` (e.g. bfloat16) the GEMMs of the drafter step -- the context projection, the
-    layers and the draft logits from a copy of the target's LM head -- run in that dtype where they are
-    large enough to gain from it (`gemm_dtype`: here the LM head, 4 MB in float32), the rest in the
-    drafter's own: drafts need not be exact (the target verifies them; sampled drafts carry the q
-    they were drawn from).
+    layers and the draft logits from a copy of the target's LM head -- run in the dtype `gemm_dtype`
+    gives each (bf16: the LM head, 4 MB in float32, and the rest in fbgemm's float16 where it runs,
+    else in the drafter's own; float16: all): drafts need not be exact (the target verifies them;
+    sampled drafts carry the q they were drawn from). Where the target's own head serves the dtype (its
+    fbgemm copy, `GptOssTarget.head`), the drafter's logits come from it.
     """
 
     needs_history = False
@@ -70,9 +71,11 @@ class DFlashProposer:
         cfg = drafter.config
         self.drafter, self.target, self.policy, self.matmul_dtype = drafter, target, policy, matmul_dtype
         self.head = None  # None: the target's own LM head (`GptOssTarget.head`), the very copy its verify reads
-        if matmul_dtype is not None and gemm_dtype(target.hf.lm_head.weight, matmul_dtype) != target.dtype:
+        if matmul_dtype is not None:
             head = target.hf.lm_head
-            self.head = CastLinear(head.weight, head.bias, matmul_dtype, few_rows=target.head)
+            dtype = gemm_dtype(head.weight, matmul_dtype)
+            if dtype != target.head.dtype:
+                self.head = CastLinear(head.weight, head.bias, dtype, few_rows=target.head)
         self.block_size = block_size or cfg.block_size
         self.num_drafts = self.block_size - 1
         self.keep_confidence = policy is not None  # the adaptive policy sizes a drafted block by it

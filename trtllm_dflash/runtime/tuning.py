@@ -1,10 +1,11 @@
 """Start-up measurements that choose how the reference runtime runs on this machine.
 
-Which of two exact formulations is faster can depend on the machine, not the model: the MoE reading
+Which of the exact formulations is fastest can depend on the machine, not the model: the MoE reading
 its experts' float32 weights or their exact bf16 copies cast back per GEMM was 7% apart one way on an
-AMD EPYC VM and 8-10% the other way on two Intel Xeon VMs (docs/benchmarks.md, rounds 7 and 8). Both
-give the same numbers, so the runtime times both here and keeps the faster, as cuDNN's benchmark mode
-does.
+AMD EPYC VM and 8-10% the other way on two Intel Xeon VMs (docs/benchmarks.md, rounds 7 and 8); fbgemm's
+float16 copies beat both on an AVX512 AMD EPYC VM (round 10). They give the same numbers (the float16
+copies to float32 rounding: the GEMM sums in another order), so the runtime times each here and keeps
+the fastest, as cuDNN's benchmark mode does.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def choose_expert_storage(target, choice: str, batch: int, block: int) -> dict[s
             from ..errors import InputError
 
             raise InputError(f"the target's experts can be read as {' or '.join(target.expert_storages)} here, not "
-                             f"{choice} (bf16 copies exist on CPU for float32 experts that bf16 represents exactly, "
-                             "as MXFP4 checkpoints' do).", field="--expert-dtype")
+                             f"{choice} (bf16 and float16 copies exist on CPU for float32 experts that those dtypes "
+                             "represent exactly, as MXFP4 checkpoints' do; float16 ones on x86 builds of torch, "
+                             "for fbgemm).", field="--expert-dtype")
         target.use_expert_storage(choice)
         return None
     if len(target.expert_storages) == 1:
