@@ -37,7 +37,8 @@ import torch
 from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
 from trtllm_dflash.models.drafter import load_drafter
 from trtllm_dflash.models.drafter_config import DFlashConfig
-from trtllm_dflash.models.linear import DRAFTER_GEMM_DTYPES, NARROW_MIN_ROWS, drafter_gemm_dtype, gemm_dtype, onednn_packs
+from trtllm_dflash.models.linear import (DRAFTER_GEMM_DTYPES, NARROW_MIN_ROWS, drafter_gemm_dtype, gemm_dtype,
+                                         half_weights, onednn_packs)
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
 from trtllm_dflash.runtime.proposers import DFlashProposer
@@ -96,31 +97,40 @@ class ExpertsTouched:
 
 def target_bytes(target: GptOssTarget, experts_touched: float, batch: int, context: float) -> float:
     """Bytes a target step reads: attention, router and norm weights of every layer, `experts_touched`
-    experts in all (summed over layers), the LM head, and the K/V of `batch` rows at `context`."""
+    experts in all (summed over layers) in the storage the lean path reads (`GptOssTarget.expert_storage`),
+    the LM head in its copy's dtype, and the K/V of `batch` rows at `context`."""
     cfg, layers = target.config, target.hf.model.layers
-    experts = layers[0].mlp.experts  # weights as the lean path reads them (`GptOssTarget.expert_storage`)
-    weights = (getattr(target, "gate_up_0"), getattr(target, "down_0"))
-    per_expert = (sum(w.numel() * w.element_size() for w in weights)
+    experts = layers[0].mlp.experts
+    matrices = experts.gate_up_proj.numel() + experts.down_proj.numel()
+    per_expert = (matrices * getattr(torch, target.expert_storage).itemsize
                   + nbytes(experts) - experts.gate_up_proj.nbytes - experts.down_proj.nbytes) / cfg.num_local_experts
     dense = sum(nbytes(layer.self_attn, layer.mlp.router, layer.input_layernorm, layer.post_attention_layernorm)
                 for layer in layers)
     kv = sum(batch * 2 * cfg.num_key_value_heads * cfg.head_dim * 4 *
              (min(context, cfg.sliding_window) if kind == "sliding_attention" else context) for kind in cfg.layer_types)
-    return dense + experts_touched * per_expert + nbytes(target.hf.lm_head, target.hf.model.norm) + kv
+    head = target.hf.lm_head.weight.numel() * target.head.dtype.itemsize
+    return dense + experts_touched * per_expert + head + nbytes(target.hf.model.norm) + kv
 
 
 def drafter_bytes(drafter, target: GptOssTarget, batch: int, context: float, wanted: torch.dtype | None) -> float:
     """Bytes a drafter step reads: all its weights and the target's LM head, each in the dtype its GEMM
     runs in when `wanted` is asked (`gemm_dtype`; below `NARROW_MIN_ROWS` draft rows a oneDNN-packed GEMM
-    runs its float32 copy, `CastLinear.few_rows`), its context K/V at `context`."""
+    runs its copy for few rows, `CastLinear.few_rows`: fbgemm's float16 where it runs, else float32), its
+    context K/V at `context`."""
     cfg = drafter.config
     few_rows = batch * (cfg.block_size - 1) < NARROW_MIN_ROWS
-    if wanted is not None and few_rows and onednn_packs(wanted, drafter.fc.weight.device):
-        wanted = None
+    narrower = torch.float16 if half_weights(torch.float16, drafter.fc.weight.device) else None
+
+    def dtype(p: torch.Tensor) -> torch.dtype:
+        chosen = gemm_dtype(p, wanted)
+        if few_rows and onednn_packs(chosen, p.device) and chosen.itemsize < p.dtype.itemsize:
+            return narrower or p.dtype
+        return chosen
+
     window = min(context, cfg.sliding_window or context)
     kv = batch * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4 * window
     params = [p for m in (drafter, target.hf.lm_head) for p in m.parameters()]
-    return sum(p.numel() * gemm_dtype(p, wanted).itemsize for p in params) + kv
+    return sum(p.numel() * dtype(p).itemsize for p in params) + kv
 
 
 def target_flops(cfg, tokens: int, context: float) -> float:
