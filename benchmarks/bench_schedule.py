@@ -111,12 +111,19 @@ def run_case(name: str, make_proposer, target, lengths, prompts, max_tokens, con
     print(f"tau by draft length: {', '.join(f'K={k}: {t:.2f}' for k, t in sorted(tau.items()))}; "
           f"schedule {schedule or '{} (speculation off)'} (dflash-bench would "
           f"{'recommend it' if analysis['schedule']['recommended'] else 'not recommend it: ' + analysis['schedule']['reason']}); "
-          f"cost-model held-out error mean {holdout['mean_abs_relative_error']:.1%} / max "
-          f"{holdout['max_abs_relative_error']:.1%}; run-to-run spread median {analysis['spread']['median']:.1%}\n")
+          f"cost-model held-out error {held_out_error(holdout)}; run-to-run spread "
+          f"{'n/a (one repeat)' if analysis['spread'] is None else format(analysis['spread']['median'], '.1%') + ' median'}\n")
     print("| c | " + " | ".join("AR" if k == 0 else f"K={k}" for k in [0, *lengths])
           + " | scheduled | best fixed | sched/best | worst fixed | sched/worst |")
     print("|---" * (len(lengths) + 7) + "|")
     print("\n".join(compare(points, concurrency)))
+
+
+def held_out_error(holdout: dict | None) -> str:
+    """The cost model's error on held-out concurrency levels, or why there is none (too few levels)."""
+    if holdout is None:
+        return "n/a (too few concurrency levels to hold any out)"
+    return f"mean {holdout['mean_abs_relative_error']:.1%} / max {holdout['max_abs_relative_error']:.1%}"
 
 
 def main() -> None:

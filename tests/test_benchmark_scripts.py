@@ -1,0 +1,52 @@
+"""The benchmark scripts that run on the embedded pair, each at a tiny size: they run to the end and report
+what they exist to report (lossless rows, identical outputs). Nothing else runs them between rounds, and
+they break silently when the code under them changes (round 10 found two that did). The numbers
+themselves are not checked: at this size they are noise."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+# script, arguments, what its output must show
+CASES = {
+    "bench_reference_runtime": (["--prompts", "2", "--max-tokens", "8", "--repeats", "1", "--adaptive"],
+                                [r"^(autoregressive|ngram|dflash|dflash-sa2|dflash-adapt|dflash-sa2-adapt) .* 2/2$"]),
+    "bench_step_costs": (["--prompts", "2", "--max-tokens", "8", "--repeats", "1", "--batch-sizes", "1,2"],
+                         [r"^batch 1: .*DFlash 2/2, AR 2/2, generate 2/2$", r"^batch 2: .*DFlash 2/2, AR 2/2, generate 2/2$",
+                          r"^drafter step "]),
+    "bench_expert_storage": (["--prompts", "2", "--max-tokens", "8", "--repeats", "1"],
+                             [r"outputs identical across storages and methods: True", r"^start-up timing .* -> \w+$"]),
+    "bench_pair_quality": (["--heldout", "2", "--third-party", "2", "--long", "2", "--max-tokens", "8"],
+                           [r"^  heldout-64 .*lossless 2/2$", r"^  lossless at batch 3: 16/16, 8: 16/16$"]),
+    "bench_schedule": (["--concurrency", "1", "--draft-lengths", "1", "--prompts", "2", "--max-tokens", "8",
+                        "--repeats", "1", "--requests", "2"],
+                       [r"^\| 1 \| \d+ \| \d+ \| \d+ \| K=\d", r"^### SYNTHETIC"]),
+    "bench_drafter_quant": (["--prompts", "2", "--calibration-prompts", "2", "--max-tokens", "8"],
+                            [r"^(bf16|fp8|nvfp4) .* 2/2$"]),
+    "diag_drafter_train_vs_runtime": (["--prompts", "2", "--max-tokens", "8"],
+                                      [r"^runtime anchors through the training forward: .*argmax agreement"]),
+}
+
+
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_benchmark_script_runs_to_its_report(script):
+    arguments, patterns = CASES[script]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(BENCHMARKS / f"{script}.py"), *arguments], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for pattern in patterns:
+        matches = re.findall(pattern, done.stdout, flags=re.MULTILINE)
+        assert matches, f"{script}: no line matches {pattern!r} in:\n{done.stdout[-3000:]}"
+    if script == "bench_reference_runtime":  # every method's row, each lossless
+        assert len(re.findall(CASES[script][1][0], done.stdout, flags=re.MULTILINE)) == 6
+    if script == "bench_drafter_quant":
+        assert len(re.findall(CASES[script][1][0], done.stdout, flags=re.MULTILINE)) == 3
