@@ -9,6 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from cpu_marks import needs_fbgemm
 from trtllm_dflash.cli.run import main as run_main
 from trtllm_dflash.models.linear import fbgemm_fp16, native_bf16
 
@@ -134,7 +135,7 @@ def test_adaptive_draft_length_is_lossless_and_reported(tiny_pair, method):
 
 @pytest.mark.parametrize("choice,expected", [
     ("float32", "float32"), ("bfloat16", "bfloat16"),
-    pytest.param("float16", "float16", marks=pytest.mark.skipif(not fbgemm_fp16(), reason="no fbgemm (not x86)")),
+    pytest.param("float16", "float16", marks=needs_fbgemm),
     ("auto", "bfloat16" if native_bf16(torch.device("cpu")) else "float16" if fbgemm_fp16() else "float32")])
 def test_drafter_gemm_dtype_is_lossless_and_reported(tiny_pair, choice, expected):
     target, drafter = tiny_pair

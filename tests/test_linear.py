@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from cpu_marks import NO_FBGEMM, needs_fbgemm
 from trtllm_dflash.models import linear
 from trtllm_dflash.models.linear import NARROW_MIN_WEIGHTS, CastLinear, drafter_gemm_dtype, gemm_dtype
 from trtllm_dflash.models.random_pair import random_target, tiny_target_config
@@ -52,7 +53,7 @@ def test_a_packed_narrow_gemm_hands_few_rows_to_a_wider_copy(rows, fbgemm, monke
     """Below NARROW_MIN_ROWS rows oneDNN's bf16 GEMM loses to a copy with float32 inputs: fbgemm's
     float16 one where it runs, else the float32 one."""
     if fbgemm and not linear.fbgemm_fp16():
-        pytest.skip("this torch build has no fbgemm (not x86)")
+        pytest.skip(NO_FBGEMM)
     monkeypatch.setattr(linear, "onednn_packs", lambda dtype, device: dtype == torch.bfloat16)  # any CPU
     monkeypatch.setattr(linear, "fbgemm_fp16", lambda: fbgemm)
     weight, bias, x = torch.randn(48, 64), torch.randn(48), torch.randn(1, rows, 64)
@@ -62,9 +63,6 @@ def test_a_packed_narrow_gemm_hands_few_rows_to_a_wider_copy(rows, fbgemm, monke
     assert layer.native(x).dtype == torch.float32
     assert torch.equal(layer(x), layer.few_rows(x))
     torch.testing.assert_close(layer(x), F.linear(x, weight.half().float() if fbgemm else weight, bias))
-
-
-needs_fbgemm = pytest.mark.skipif(not linear.fbgemm_fp16(), reason="this torch build has no fbgemm (not x86)")
 
 
 @needs_fbgemm
@@ -156,7 +154,7 @@ def target_with_head(half: bool) -> GptOssTarget:
     """A tiny float32 target whose LM head is float32 random (its own copy, float32) or bf16-born (fbgemm's
     float16 copy, where fbgemm runs)."""
     if half and not linear.fbgemm_fp16():
-        pytest.skip("this torch build has no fbgemm (not x86)")
+        pytest.skip(NO_FBGEMM)
     hf = random_target(tiny_target_config(), seed=3).float()
     if half:
         with torch.no_grad():

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cpu_marks import needs_fbgemm
 from trtllm_dflash.errors import InputError
 from trtllm_dflash.models import linear
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
@@ -348,7 +349,7 @@ def test_the_hybrid_refuses_a_policy_on_its_dflash_proposer(random_pair):
 
 @pytest.mark.parametrize("narrow", [
     torch.bfloat16,
-    pytest.param(torch.float16, marks=pytest.mark.skipif(not linear.fbgemm_fp16(), reason="no fbgemm (not x86)"))])
+    pytest.param(torch.float16, marks=needs_fbgemm)])
 def test_narrower_drafter_gemms_stay_token_identical_and_close(random_pair, monkeypatch, narrow):
     """With the drafter step's GEMMs in bf16 or (fbgemm, float16 weights) float16 (`matmul_dtype`), its
     hidden states and draft logits differ from the float32 ones by that rounding only, and DFlash and the

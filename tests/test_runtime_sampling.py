@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import trtllm_dflash.runtime.reference as reference
+from cpu_marks import needs_fbgemm
 from trtllm_dflash.models import linear
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
@@ -106,7 +107,7 @@ def test_hybrid_samples_follow_target_distribution(pair):
 @pytest.mark.parametrize("neural_costs,narrow", [
     ([1.0, 1.1, 1.2, 1.3], torch.bfloat16), ([1.0, 2.0, 2.1, 2.2], torch.bfloat16),
     pytest.param([1.0, 1.1, 1.2, 1.3], torch.float16,
-                 marks=pytest.mark.skipif(not linear.fbgemm_fp16(), reason="no fbgemm (not x86)"))])
+                 marks=needs_fbgemm)])
 def test_adaptive_draft_length_with_narrower_drafter_gemms_samples_follow_target_distribution(
         pair, neural_costs, narrow, monkeypatch):
     """dflash-sa at T=0.7 with a K chosen per step from past acceptance and the draft distribution q
