@@ -137,6 +137,38 @@ def test_training_forward_gives_the_runtime_drafter_logits(tmp_path):
     assert checked == sum(len(p) for p in proposer.positions)
 
 
+def test_distillation_mixes_cross_entropy_with_the_kl_from_the_targets_next_token_distribution(tmp_path):
+    """--distill a: each slot's loss is (1 - a) CE(token) + a KL(target || drafter), with the target's logits at the
+    position before the slot's (they predict it), weighted as the CE was; a = 0 is the CE loss itself."""
+    from trtllm_dflash.train.step import drafter_loss
+
+    config = tiny_target_config()
+    target = GptOssTarget(load_hf_gpt_oss(save_random_target(tmp_path / "target", config, seed=1)))
+    drafter = load_drafter(save_random_drafter(tmp_path / "drafter",
+                                               drafter_config_for(config, num_layers=1, block_size=4), seed=2))
+    drafter.requires_grad_(True)  # as training makes it
+    sequences = torch.randint(2, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    anchors = torch.tensor([[3, 9, 15], [1, 8, 19]])
+    gamma = 2.0
+    ce, _ = drafter_loss(drafter, target, sequences, anchors, gamma)
+    assert torch.equal(drafter_loss(drafter, target, sequences, anchors, gamma, distill=0.0)[0], ce)
+    with torch.no_grad():
+        teacher, _ = target(sequences, torch.arange(24).expand(2, -1), target.new_cache(2, 24), [])
+        drafts = drafter_block_logits(drafter, target, sequences, anchors)  # [2, A, B-1, V]
+    previous = anchors[:, :, None] + torch.arange(0, 3)  # slot k's token sits at anchor + k, predicted from one before
+    p = torch.log_softmax(teacher[torch.arange(2)[:, None, None], previous], -1)
+    kl = (p.exp() * (p - torch.log_softmax(drafts, -1))).sum(-1)  # [2, A, B-1]
+    weights = torch.exp(-torch.arange(3) / gamma).expand_as(kl)
+    expected_kl = (kl * weights).sum() / weights.sum()
+    for share in (1.0, 0.25):
+        loss, _ = drafter_loss(drafter, target, sequences, anchors, gamma, distill=share)
+        torch.testing.assert_close(loss, (1 - share) * ce.detach() + share * expected_kl, rtol=1e-4, atol=1e-5)
+    loss.backward()
+    assert all(p.grad is not None for p in drafter.fc.parameters())
+    with pytest.raises(ValueError, match="cached features"):
+        drafter_loss(drafter, target, sequences, anchors, gamma, torch.zeros(2, 24, 3 * config.hidden_size), distill=1.0)
+
+
 def test_warm_start_grows_a_drafter_without_changing_its_output(tmp_path):
     """--init-from: a 2-layer drafter started from a 1-layer one gives the 1-layer logits at step 0."""
     from trtllm_dflash.train.drafter import new_drafter, warm_start
@@ -180,6 +212,8 @@ def test_bad_training_input_fails_before_the_run_directory_exists(tmp_path):
         (["--init-from", broken], "broken"),
         (["--prompts", tmp_path / "missing.jsonl"], "missing.jsonl"),
         (["--out", a_file / "run"], "notes.txt is a file"),
+        (["--distill", "0.5", "--cache-features"], "--distill"),
+        (["--distill", "1.5"], "--distill"),
     ]:
         result = CliRunner().invoke(main, [str(a) for a in ["--target", target_dir, "--prompts", prompts,
                                                             "--out", out, "--prompt-tokens", 16, "--steps", 1,

@@ -17,7 +17,8 @@ nanoGPT style: the hyper-parameters are the flags below, the loop is plain PyTor
    target's last layer unless asked (see `checkpoints.validate.last_layer_warning`).
 3. Loss: cross-entropy on block slots k = 1..B-1 predicting x_{anchor+k}, weighted exp(-(k-1)/gamma)
    (gamma 7/5/4 for B 16/10/8 in the paper), normalised by the weights. Embeddings and LM head are
-   the target's, frozen; `fc`, norms and drafter layers train.
+   the target's, frozen; `fc`, norms and drafter layers train. `--distill A` (not in the paper) makes a
+   share A of each slot's loss the KL divergence from the target's own next-token distribution there.
    Optional (not in the paper; `train.anchors`): the runtime drafts from the bonus token after each
    verify, so its anchors sit where drafting failed, which uniform anchors under-train.
    `--replay-every N` replays the runtime's exact accept path with the current drafter on the next
@@ -70,6 +71,7 @@ class TrainConfig:
     replay_every: int = 0  # > 0: every this many steps replay the runtime's walk (`replay_walk`) ...
     replay_sequences: int = 256  # ... on this many sequences (the next in a fixed shuffled order)
     gamma: float | None = None  # None: the paper's value for the block size
+    distill: float = 0.0  # share of each slot's loss that is KL(target || drafter) (`step.drafter_loss`)
     batch_size: int = 16
     grad_accum: int = 1
     steps: int = 2000
@@ -208,6 +210,9 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
 
     # every check before --out is made: a failed start leaves nothing behind
     check_output_path(out, "--out", directory=True)
+    if cfg.distill and cfg.cache_features:
+        raise InputError("distillation reads the target's logits at every step, which cached features do not "
+                         "keep; drop --cache-features or --distill.", field="--distill")
     target = GptOssTarget(load_hf_gpt_oss(target_dir, device, torch.float32))
     tokenizer = load_tokenizer(target_dir)
     if mask_token_id is None:
@@ -325,7 +330,8 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
                     with autocast:
                         loss, next_anchors = drafter_loss(drafter, target, pool.sequences[rows].to(device),
                                                           anchors.to(device), cfg.decay(),
-                                                          pool.batch_features(rows, device), walk=use_walk and own)
+                                                          pool.batch_features(rows, device), walk=use_walk and own,
+                                                          distill=cfg.distill)
                     (loss / cfg.grad_accum).backward()
                     if use_walk and own:
                         walk[rows] = next_anchors.cpu()
@@ -394,6 +400,10 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
               help="Also train on these sequences (a saved [n, L] tensor of token ids, e.g. another run's "
                    "responses.pt, whose first PROMPT_TOKENS are prompt): a step draws its batch from them with "
                    "probability SHARE. Repeatable.")
+@click.option("--distill", default=TrainConfig.distill, show_default=True, type=click.FloatRange(0, 1),
+              help="Share of each drafted slot's loss that is the KL divergence from the target's own next-token "
+                   "distribution there (the rest: cross-entropy on the sequence's token); needs the target's logits "
+                   "every step, so not with --cache-features.")
 @click.option("--cache-features", is_flag=True,
               help="Compute the target's features of all sequences once (bf16, in memory) instead of every step.")
 @click.option("--device", default="auto", show_default=True)
@@ -403,7 +413,7 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
 def main(target_dir, out, data, prompts_file, mask_token_id, drafter_layers, block_size, num_features,
          target_layer_ids, prompt_tokens, prompt_stride, response_tokens, sliding_window, num_samples, anchors,
          walk_anchor_fraction, replay_every, replay_sequences, batch_size, grad_accum, steps, lr, seed, init_from,
-         extra_sequences, cache_features, device, threads, max_minutes):
+         extra_sequences, distill, cache_features, device, threads, max_minutes):
     """Train a DFlash drafter on the target's own greedy continuations."""
     from ..cli.common import clean_errors, parse_ints, resolve_device
 
@@ -419,7 +429,7 @@ def main(target_dir, out, data, prompts_file, mask_token_id, drafter_layers, blo
                           walk_anchor_fraction=walk_anchor_fraction, replay_every=replay_every,
                           replay_sequences=replay_sequences, batch_size=batch_size, grad_accum=grad_accum,
                           steps=steps, lr=lr, seed=seed, init_from=str(init_from) if init_from else None,
-                          cache_features=cache_features,
+                          cache_features=cache_features, distill=distill,
                           extra_sequences=[[str(path), tokens, share] for path, tokens, share in extra_sequences])
         path = train(target_dir, out, cfg, "file" if prompts_file else data, prompts_file, mask_token_id,
                      resolve_device(device), max_minutes)

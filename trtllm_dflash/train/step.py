@@ -110,19 +110,39 @@ class RecordingProposer(DFlashProposer):
 
 
 def drafter_loss(drafter: DFlashDrafter, target: GptOssTarget, sequences: torch.Tensor, anchors: torch.Tensor,
-                 gamma: float, features: torch.Tensor | None = None,
-                 walk: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 gamma: float, features: torch.Tensor | None = None, walk: bool = False,
+                 distill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weighted block loss and, with `walk`, where the runtime would draft after each block
-    ([n, A], :func:`walk_anchors` of this forward's greedy drafts; no gradient), else None."""
+    ([n, A], :func:`walk_anchors` of this forward's greedy drafts; no gradient), else None.
+
+    Per drafted slot the loss is cross-entropy on the sequence's token, or with `distill` = a in (0, 1]
+    (1 - a) times that plus a times KL(target || drafter): the divergence of the drafter's distribution
+    from the target's own next-token distribution at that position (knowledge distillation, as
+    DistillSpec does for draft models). The target's logits come from the forward that gives its
+    features, so `distill` needs `features` None."""
     b = drafter.config.block_size
     n = sequences.shape[0]
+    teacher = None
+    if distill:
+        if features is not None:
+            raise ValueError("distillation needs the target's logits: run its forward, not cached features")
+        with torch.no_grad():
+            positions = torch.arange(sequences.shape[1], device=sequences.device).expand(n, -1)
+            teacher, features = target(sequences, positions, target.new_cache(n, sequences.shape[1]),
+                                       drafter.config.target_layer_ids)
     hidden = drafter_hidden(drafter, target, sequences, anchors, features)
-    _, _, labels = block_inputs(sequences, anchors, b, drafter.config.mask_token_id)
+    _, block_positions, labels = block_inputs(sequences, anchors, b, drafter.config.mask_token_id)
     slots = torch.arange(hidden.shape[1], device=hidden.device) % b != 0  # slot 0 (anchor) has no loss
     logits = target.lm_head(hidden[:, slots].to(target.dtype))
     k = (torch.arange(1, b, device=hidden.device)).repeat(anchors.shape[1])
     weights = torch.exp(-(k - 1) / gamma).expand(n, -1)
     losses = F.cross_entropy(logits.flatten(0, 1), labels[:, slots].flatten(), reduction="none").view(n, -1)
+    if teacher is not None:  # the target's logits at position p - 1 predict the token at p
+        previous = (block_positions[:, slots] - 1)[..., None].expand(-1, -1, teacher.shape[-1])
+        log_target = torch.log_softmax(teacher.gather(1, previous).float(), dim=-1)
+        divergence = F.kl_div(torch.log_softmax(logits.float(), dim=-1), log_target, reduction="none",
+                              log_target=True).sum(-1)
+        losses = (1 - distill) * losses + distill * divergence
     loss = (losses * weights).sum() / weights.sum()
     if not walk:
         return loss, None
