@@ -38,7 +38,7 @@ from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
 from trtllm_dflash.models.drafter import load_drafter
 from trtllm_dflash.models.drafter_config import DFlashConfig
 from trtllm_dflash.models.linear import (DRAFTER_GEMM_DTYPES, NARROW_MIN_ROWS, drafter_gemm_dtype, gemm_dtype,
-                                         half_weights, onednn_packs)
+                                         half_or, onednn_packs)
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
 from trtllm_dflash.runtime.proposers import DFlashProposer
@@ -119,12 +119,11 @@ def drafter_bytes(drafter, target: GptOssTarget, batch: int, context: float, wan
     context K/V at `context`."""
     cfg = drafter.config
     few_rows = batch * (cfg.block_size - 1) < NARROW_MIN_ROWS
-    narrower = torch.float16 if half_weights(torch.float16, drafter.fc.weight.device) else None
 
     def dtype(p: torch.Tensor) -> torch.dtype:
         chosen = gemm_dtype(p, wanted)
         if few_rows and onednn_packs(chosen, p.device) and chosen.itemsize < p.dtype.itemsize:
-            return narrower or p.dtype
+            return half_or(p.dtype, p.device)
         return chosen
 
     window = min(context, cfg.sliding_window or context)

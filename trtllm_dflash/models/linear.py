@@ -78,6 +78,11 @@ def half_weights(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.float16 and fbgemm_fp16()
 
 
+def half_or(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """float16 where fbgemm's fp16-weight GEMM runs on this device, else `dtype`."""
+    return torch.float16 if half_weights(torch.float16, device) else dtype
+
+
 def fits_half(weight: torch.Tensor) -> bool:
     """Whether float16 holds this float32 weight to float32's accuracy: every value exactly, except those
     below float16's normal range (2^-14), which it rounds by at most 2^-25. bf16 weights within float16's
@@ -102,11 +107,11 @@ def gemm_dtype(weight: torch.Tensor, wanted: torch.dtype | None) -> torch.dtype:
     """The dtype of a GEMM over `weight` when `wanted` is asked (None: the weight's own): fbgemm's float16
     at any size; another narrower dtype only for a weight of at least `NARROW_MIN_WEIGHTS`, a smaller one
     in fbgemm's float16 where it runs, else in its own dtype (see the module's docstring)."""
-    if wanted is None or half_weights(wanted, weight.device):
-        return weight.dtype if wanted is None else wanted
-    if wanted.itemsize < weight.dtype.itemsize and weight.numel() < NARROW_MIN_WEIGHTS:
-        return torch.float16 if half_weights(torch.float16, weight.device) else weight.dtype
-    return wanted
+    if wanted is None:
+        return weight.dtype
+    if half_weights(wanted, weight.device) or wanted.itemsize >= weight.dtype.itemsize:
+        return wanted
+    return wanted if weight.numel() >= NARROW_MIN_WEIGHTS else half_or(weight.dtype, weight.device)
 
 
 class CastLinear:
@@ -134,8 +139,8 @@ class CastLinear:
         if not wider:
             self.few_rows = None
         else:
-            narrower = torch.float16 if half_weights(torch.float16, weight.device) else weight.dtype
-            self.few_rows = few_rows if few_rows is not None else CastLinear(weight, bias, narrower)
+            self.few_rows = few_rows if few_rows is not None else CastLinear(weight, bias,
+                                                                            half_or(weight.dtype, weight.device))
         if self.half:  # fbgemm rounds the weight to float16 itself; inputs, bias and output stay float32
             self.bias = None if bias is None else bias.detach().float()
             self.weight = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), self.bias)

@@ -91,11 +91,18 @@ class SequencePool:
             advance(len(chunk))
 
 
-def target_features(target: GptOssTarget, sequences: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    """The frozen target's outputs of `layer_ids` over clean sequences [n, L] -> [n, L, len * H]."""
+def target_outputs(target: GptOssTarget, sequences: torch.Tensor, layer_ids: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen target over clean sequences [n, L]: its logits [n, L, V] and the outputs of `layer_ids`
+    [n, L, len * H]."""
     n, seq_len = sequences.shape
     positions = torch.arange(seq_len, device=sequences.device).expand(n, -1)
-    return target(sequences, positions, target.new_cache(n, seq_len), layer_ids)[1]
+    return target(sequences, positions, target.new_cache(n, seq_len), layer_ids)
+
+
+def target_features(target: GptOssTarget, sequences: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """The frozen target's outputs of `layer_ids` over clean sequences [n, L] -> [n, L, len * H]."""
+    return target_outputs(target, sequences, layer_ids)[1]
 
 
 def read_sequences(path: Path, field: str | None = None) -> torch.Tensor:

@@ -16,7 +16,7 @@ from ..models.target import GptOssTarget
 from ..plugins.draft_block.reference import context_visibility
 from ..runtime.proposers import DFlashProposer
 from .anchors import walk_anchors
-from .data import target_features
+from .data import target_features, target_outputs
 
 
 def training_mask(anchors: torch.Tensor, block_size: int, seq_len: int,
@@ -127,9 +127,7 @@ def drafter_loss(drafter: DFlashDrafter, target: GptOssTarget, sequences: torch.
         if features is not None:
             raise ValueError("distillation needs the target's logits: run its forward, not cached features")
         with torch.no_grad():
-            positions = torch.arange(sequences.shape[1], device=sequences.device).expand(n, -1)
-            teacher, features = target(sequences, positions, target.new_cache(n, sequences.shape[1]),
-                                       drafter.config.target_layer_ids)
+            teacher, features = target_outputs(target, sequences, drafter.config.target_layer_ids)
     hidden = drafter_hidden(drafter, target, sequences, anchors, features)
     _, block_positions, labels = block_inputs(sequences, anchors, b, drafter.config.mask_token_id)
     slots = torch.arange(hidden.shape[1], device=hidden.device) % b != 0  # slot 0 (anchor) has no loss
