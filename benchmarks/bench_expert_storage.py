@@ -9,14 +9,19 @@ Per repeat and prompt, each storage in turn (the order alternating by prompt, so
 runs autoregressive decoding, DFlash (fixed block, drafter GEMMs float32) and n-gram prompt lookup on
 that prompt. Reported per storage, totals over all runs: the AR step and the DFlash verify and drafter
 steps from the loop's own timers, each method's decode tokens/s, and DFlash's and n-gram's speed-up
-over the AR run of the same storage. Every storage gives the same tokens (checked). After that, the
-start-up timing `--expert-dtype auto` makes, five times, and which storage it picked each time.
+over the AR run of the same storage. Every storage gives the same tokens (checked). Then the same loops
+once more with the storage switched at every target step, round-robin (per-step alternation: drift
+over seconds, which whole runs are exposed to, hits every storage alike): each storage's mean and
+median AR step and verify. After that, the start-up timing `--expert-dtype auto` makes, five times,
+and which storage it picked each time.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
+import statistics
 import time
 from pathlib import Path
 
@@ -92,11 +97,46 @@ def main() -> None:
         print(f"{storage:<10}{ar_step * 1e3:>11.3f}{verify * 1e3:>10.3f}{verify / ar_step:>6.2f}{draft * 1e3:>11.3f}"
               f"{draft / ar_step:>6.2f}{rate['ar']:>10.1f}{rate['dflash']:>13.1f}{rate['dflash'] / rate['ar']:>8.2f}x"
               f"{rate['ngram']:>13.1f}{rate['ngram'] / rate['ar']:>8.2f}x")
+    per_step_alternation(target, storages, runtimes, prompts, params, block)
     for _ in range(5):
         relative = time_expert_storages(target, 1, block)
         timings = ", ".join(f"{s} {r:.3f}" for s, r in relative.items())
         print(f"start-up timing (AR step + verify of {block} tokens, time relative to {storages[0]}): {timings} "
               f"-> {min(relative, key=relative.get)}")
+
+
+def per_step_alternation(target: GptOssTarget, storages: list[str], runtimes: dict, prompts, params,
+                         block: int) -> None:
+    """The AR and DFlash loops on every prompt, each decode step of the target reading the next storage in turn."""
+    turn = itertools.cycle(storages)
+    times: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+    started: list[tuple[str, float]] = []
+
+    def before(module, args):
+        if args[0].shape[1] <= block:  # a decode step, not a prefill
+            module.use_expert_storage(next(turn))
+            started.append((module.expert_storage, time.perf_counter()))
+
+    def after(module, args, output):
+        if started:
+            storage, start = started.pop()
+            times[storage, args[0].shape[1]].append(time.perf_counter() - start)
+
+    hooks = [target.register_forward_pre_hook(before), target.register_forward_hook(after)]
+    for method in ("ar", "dflash"):
+        runtimes[method].generate(prompts, params, 1)
+    for hook in hooks:
+        hook.remove()
+    print(f"\nper-step alternation (AR and DFlash loops, the storage switched at every target step):")
+    print(f"{'experts':<10}{'AR step ms mean/median':>24}{'x':>7}{f'verify {block} ms mean/median':>26}{'x':>7}")
+    first = storages[0]
+    for storage in storages:
+        cells = []
+        for width in (1, block):
+            record = times[storage, width]
+            cells.append(f"{statistics.mean(record) * 1e3:>15.3f} / {statistics.median(record) * 1e3:.3f}"
+                         f"{statistics.mean(record) / statistics.mean(times[first, width]):>7.3f}")
+        print(f"{storage:<10}{cells[0]}{cells[1]:>33}")
 
 
 if __name__ == "__main__":

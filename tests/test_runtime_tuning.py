@@ -31,6 +31,22 @@ def test_timing_covers_each_storage_and_leaves_the_target_as_it_was(two_storages
     assert two_storages.expert_storage == "bfloat16"
 
 
+def test_timing_rounds_decode_fresh_tokens_the_same_for_every_storage(two_storages):
+    """Each round's steps route other tokens (decoding's experts are not the last step's), and every
+    storage in a round gets that round's tokens (the ratios stay paired)."""
+    seen = []
+    two_storages.register_forward_pre_hook(
+        lambda module, args: seen.append((module.expert_storage, args[0].shape[1], args[0].clone())))
+    tuning.time_expert_storages(two_storages, batch=1, block=4, context=16, rounds=3, warm_up=1)
+    names, steps = list(two_storages.expert_storages), [s for s in seen if s[1] == 4]  # the verify blocks
+    assert len(steps) == 4 * len(names)
+    rounds = [steps[i: i + len(names)] for i in range(0, len(steps), len(names))]
+    for steps_of_round in rounds:
+        assert [name for name, _, _ in steps_of_round] == names
+        assert all(torch.equal(tokens, steps_of_round[0][2]) for _, _, tokens in steps_of_round)
+    assert len({tuple(r[0][2].flatten().tolist()) for r in rounds}) == len(rounds)
+
+
 @pytest.mark.parametrize("faster", ["float32", "bfloat16", "float16"])
 def test_auto_keeps_the_faster_storage(two_storages, monkeypatch, faster):
     if faster not in two_storages.expert_storages:

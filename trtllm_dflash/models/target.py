@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .kv_cache import KVArena
-from .linear import CastLinear, cast, exact_half
+from .linear import CastLinear, cast, exact_half, half_gemm
 from .rope import Rotary, rotate
 
 
@@ -145,7 +145,7 @@ def expert_gemm(x: torch.Tensor, weights: ExpertMatrices, expert: int) -> torch.
     float16 copies (`half_copies`) multiply and sum in float32: the float32 GEMM's result up to
     summation order."""
     if isinstance(weights, list):
-        return torch.ops.quantized.linear_dynamic_fp16(x, weights[expert])
+        return half_gemm()(x, weights[expert])
     return torch.mm(x, cast(weights[expert], x.dtype))
 
 

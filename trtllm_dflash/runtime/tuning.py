@@ -48,16 +48,23 @@ def time_expert_storages(target, batch: int, block: int, context: int = 200, rou
     The target reads its experts as before afterwards."""
     device, kept = target.device, target.expert_storage
     generator = torch.Generator(device=device).manual_seed(0)
-    tokens = torch.randint(0, target.vocab_size, (batch, context + block), generator=generator, device=device)
+    prompt = torch.randint(0, target.vocab_size, (batch, context), generator=generator, device=device)
+    # each round's steps read fresh tokens (the same for every storage), which route to other experts, as
+    # decoding's do: the same tokens every round would find their experts in cache, which decoding does not
+    rounds_tokens = torch.randint(0, target.vocab_size, (warm_up + rounds, batch, block), generator=generator,
+                                  device=device)
     positions = torch.arange(context + block, device=device).expand(batch, -1)
     cache = target.new_cache(batch, context + block)
-    target(tokens[:, :context], positions[:, :context], cache, [])
+    target(prompt, positions[:, :context], cache, [])
 
     def steps(storage: str):
+        tokens = iter(rounds_tokens)
+
         def run():
             target.use_expert_storage(storage)
+            step = next(tokens)
             for width in (1, block):
-                target(tokens[:, context: context + width], positions[:, context: context + width], cache, [])
+                target(step[:, :width], positions[:, context: context + width], cache, [])
         return run
 
     names = list(target.expert_storages)
