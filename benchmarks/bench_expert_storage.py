@@ -23,14 +23,10 @@ import collections
 import itertools
 import statistics
 import time
-from pathlib import Path
 
-import torch
 
-from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
-from trtllm_dflash.models.drafter import load_drafter
+from trtllm_dflash.bench.local_pair import add_pair_arguments, load_local_pair
 from trtllm_dflash.models.target import GptOssTarget
-from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
 from trtllm_dflash.runtime.proposers import DFlashProposer, NGramProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
@@ -39,26 +35,14 @@ from trtllm_dflash.runtime.tuning import time_expert_storages
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", type=Path)
-    parser.add_argument("--drafter", type=Path)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    add_pair_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
-    from trtllm_dflash.embedded import PROMPTS_FILE, pair_paths
-
-    target_dir, drafter_dir = (args.target, args.drafter) if args.target else pair_paths()
-    target = GptOssTarget(load_hf_gpt_oss(target_dir, "cpu", torch.float32))
+    pair = load_local_pair(args)
+    target, drafter, prompts = pair.target, pair.drafter, pair.prompts
     storages = list(target.expert_storages)
     if len(storages) < 2:
-        raise SystemExit(f"{target_dir}: the experts have one storage here ({storages[0]}): nothing to compare")
-    drafter = load_drafter(drafter_dir, "cpu", torch.float32)
-    tokenizer = load_tokenizer(target_dir)
-    texts = read_prompts_file(PROMPTS_FILE)[: args.prompts]
-    prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in texts]
+        raise SystemExit(f"{pair.target_dir}: the experts have one storage here ({storages[0]}): nothing to compare")
     params = SamplingParams(max_tokens=args.max_tokens)
     block = drafter.config.block_size
     runtimes = {"ar": ReferenceRuntime(target, None),

@@ -34,13 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
-from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
-from trtllm_dflash.models.drafter import load_drafter
+from trtllm_dflash.bench.local_pair import add_pair_arguments, load_local_pair
 from trtllm_dflash.models.drafter_config import DFlashConfig
 from trtllm_dflash.models.linear import (DRAFTER_GEMM_DTYPES, NARROW_MIN_ROWS, drafter_gemm_dtype, gemm_dtype,
                                          half_or, onednn_packs)
 from trtllm_dflash.models.target import GptOssTarget
-from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
 from trtllm_dflash.runtime.proposers import DFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
@@ -197,27 +195,16 @@ def spread(values: list[float], fmt: str = "{:.3f}") -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", type=str)
-    parser.add_argument("--drafter", type=str)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    add_pair_arguments(parser)
     parser.add_argument("--batch-sizes", default="1,4,8")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--expert-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="as dflash-run's option of that name (auto: timed at the first batch size)")
     parser.add_argument("--drafter-gemm-dtype", choices=DRAFTER_GEMM_DTYPES, default="auto",
                         help="as dflash-run's option of that name")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
-    from trtllm_dflash.embedded import PROMPTS_FILE, pair_paths
-
-    target_dir, drafter_dir = (args.target, args.drafter) if args.target else pair_paths()
-    target = GptOssTarget(load_hf_gpt_oss(target_dir, "cpu", torch.float32))
-    drafter = load_drafter(drafter_dir, "cpu", torch.float32)
-    tokenizer = load_tokenizer(target_dir)
-    prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in read_prompts_file(PROMPTS_FILE)[: args.prompts]]
+    pair = load_local_pair(args)
+    target, drafter, prompts = pair.target, pair.drafter, pair.prompts
     params = SamplingParams(max_tokens=args.max_tokens)
     gemm = drafter_gemm_dtype(args.drafter_gemm_dtype, torch.float32, torch.device("cpu"))
     first_batch, block = int(args.batch_sizes.split(",")[0]), drafter.config.block_size

@@ -21,10 +21,7 @@ import json
 
 import torch
 
-from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
-from trtllm_dflash.models.drafter import load_drafter
-from trtllm_dflash.models.target import GptOssTarget
-from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
+from trtllm_dflash.bench.local_pair import add_pair_arguments, load_local_pair
 from trtllm_dflash.runtime.accept import accepted_prefix_length
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
@@ -41,26 +38,14 @@ def block_verdicts(drafter, target, sequence: torch.Tensor, first: int) -> torch
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", type=str)
-    parser.add_argument("--drafter", type=str)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=1)
+    add_pair_arguments(parser)
     parser.add_argument("--responses", type=str, help="a dflash-train run's responses.pt (training sequences)")
     parser.add_argument("--responses-count", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of those sequences")
     parser.add_argument("--json", type=str, help="write the numbers here")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    from trtllm_dflash.embedded import PROMPTS_FILE, pair_paths
-
-    target_dir, drafter_dir = pair_paths()
-    target_dir, drafter_dir = args.target or target_dir, args.drafter or drafter_dir
-    target = GptOssTarget(load_hf_gpt_oss(target_dir, "cpu", torch.float32))
-    drafter = load_drafter(drafter_dir, "cpu", torch.float32)
-    tokenizer = load_tokenizer(target_dir)
-    texts = read_prompts_file(PROMPTS_FILE)[: args.prompts]
-    prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in texts]
+    pair = load_local_pair(args)
+    target, drafter, prompts = pair.target, pair.drafter, pair.prompts
     b = drafter.config.block_size
     params = SamplingParams(max_tokens=args.max_tokens)
 
@@ -120,7 +105,7 @@ def main() -> None:
             seen_blocks += correct.shape[0]
         out["train_mode_tau_on_training_sequences"] = 1 + float((seen / seen_blocks).sum())
     fmt = lambda xs: " ".join(f"{x:.2f}" for x in xs)  # noqa: E731
-    print(f"drafter={drafter_dir} prompts={len(prompts)} max_tokens={args.max_tokens}")
+    print(f"drafter={pair.drafter_dir} prompts={len(prompts)} max_tokens={args.max_tokens}")
     print(f"runtime     per-position acceptance {fmt(runtime_pos)}  tau {runtime_tau:.2f} ({steps} blocks)")
     print(f"train-mode  P(slots 1..k correct)   {fmt(train_pos)}  tau {1 + sum(train_pos):.2f} ({train_blocks} blocks)")
     print(f"train-mode  replayed walk           {fmt(walk_pos)}  tau {walk_tau:.2f} ({walk_steps} blocks)")

@@ -33,7 +33,7 @@ def detected_gpu() -> str | None:
 def choose_profile(profile: str | None, target_dir: Path | None) -> tuple[str, str | None]:
     """-> (profile, note to print). cpu-reference is the embedded pair's default; any other target
     needs --profile, or a detected GPU that a shipped profile is for (said in the output)."""
-    from trtllm_dflash.engine.build import DEFAULT_PROFILE
+    from trtllm_dflash.engine.plan import DEFAULT_PROFILE
     from trtllm_dflash.engine.profiles import available_profiles, profile_for_gpu
 
     from trtllm_dflash import embedded
@@ -97,7 +97,8 @@ def main(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_
          input_amax_file, calibration_prompts_file, sa_threshold):
     """Build an engine directory: checkpoints, llm_api_options.yaml, a Triton repository and a
     manifest with the sha256 of every file. Interrupted builds resume where they stopped."""
-    from trtllm_dflash.engine.build import BuildOptions, build_engine, plan_build
+    from trtllm_dflash.engine.build import build_engine
+    from trtllm_dflash.engine.plan import BuildOptions, plan_build
     from trtllm_dflash.engine.trtllm_versions import describe, requirements
 
     if (target_dir is None) != (drafter_dir is None):

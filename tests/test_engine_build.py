@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from trtllm_dflash.engine.build import BuildOptions, build_engine
+from trtllm_dflash.engine.build import build_engine
+from trtllm_dflash.engine.plan import BuildOptions
 from trtllm_dflash.engine.load import reference_runtime
 from trtllm_dflash.engine.manifest import MANIFEST, OPTIONS_FILE, open_engine
 from trtllm_dflash.errors import InputError

@@ -17,7 +17,7 @@ from trtllm_llm_args_facts import FIELDS
 from trtllm_dflash.checkpoints.validate import validate_pair
 from trtllm_dflash.engine import options
 from trtllm_dflash.engine import trtllm_versions as tv
-from trtllm_dflash.engine.build import BuildOptions, render_options
+from trtllm_dflash.engine.plan import BuildOptions, render_options
 from trtllm_dflash.engine.profiles import available_profiles, load_profile, profile_path
 
 DRAFT_SETTINGS = [(None, None), (1, None), (3, None), (None, {1: 3, 4: 1}), (None, {2: 2, 16: 1})]

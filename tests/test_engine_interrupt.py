@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from trtllm_dflash.engine.build import PAUSE_ENV, PAUSE_MARKER_ENV, BuildOptions, build_engine
+from trtllm_dflash.engine.build import PAUSE_ENV, PAUSE_MARKER_ENV, build_engine
+from trtllm_dflash.engine.plan import BuildOptions
 from trtllm_dflash.engine.manifest import open_engine
 from trtllm_dflash.errors import InputError
 

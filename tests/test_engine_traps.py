@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 import trtllm_dflash.cli.build as build_cli
 from trtllm_dflash.cli.run import main as run_main
-from trtllm_dflash.engine.build import BuildOptions, build_engine
+from trtllm_dflash.engine.build import build_engine
+from trtllm_dflash.engine.plan import BuildOptions
 
 REPO = Path(__file__).resolve().parents[1]
 

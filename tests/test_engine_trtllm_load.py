@@ -17,7 +17,8 @@ from test_runtime_trtllm import install_fake_tensorrt_llm, make_engine
 from trtllm_dflash.cli.build import main as build_main
 from trtllm_dflash.cli.run import main as run_main
 from trtllm_dflash.engine import trtllm_versions as tv
-from trtllm_dflash.engine.build import BuildOptions, build_engine
+from trtllm_dflash.engine.build import build_engine
+from trtllm_dflash.engine.plan import BuildOptions
 from trtllm_dflash.engine.profiles import profile_path
 from trtllm_dflash.errors import InputError, MissingDependencyError
 from trtllm_dflash.runtime import trtllm as rt

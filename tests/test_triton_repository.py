@@ -15,7 +15,8 @@ import pytest
 import torch
 import yaml
 
-from trtllm_dflash.engine.build import BuildOptions, build_engine
+from trtllm_dflash.engine.build import build_engine
+from trtllm_dflash.engine.plan import BuildOptions
 from trtllm_dflash.engine.load import reference_runtime
 from trtllm_dflash.engine.options import LlmApiOptions
 from trtllm_dflash.runtime.sampling import SamplingParams
