@@ -91,8 +91,9 @@ def main() -> None:
 
 def per_step_alternation(target: GptOssTarget, storages: list[str], runtimes: dict, prompts, params,
                          block: int) -> None:
-    """The AR and DFlash loops on every prompt, each decode step of the target reading the next storage in turn."""
-    turn = itertools.cycle(storages)
+    """The AR and DFlash loops on every prompt, each decode step of the target reading the next storage in
+    turn; the target reads its experts as before afterwards."""
+    kept, turn = target.expert_storage, itertools.cycle(storages)
     times: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
     started: list[tuple[str, float]] = []
 
@@ -111,7 +112,8 @@ def per_step_alternation(target: GptOssTarget, storages: list[str], runtimes: di
         runtimes[method].generate(prompts, params, 1)
     for hook in hooks:
         hook.remove()
-    print(f"\nper-step alternation (AR and DFlash loops, the storage switched at every target step):")
+    target.use_expert_storage(kept)
+    print("\nper-step alternation (AR and DFlash loops, the storage switched at every target step):")
     print(f"{'experts':<10}{'AR step ms mean/median':>24}{'x':>7}{f'verify {block} ms mean/median':>26}{'x':>7}")
     first = storages[0]
     for storage in storages:

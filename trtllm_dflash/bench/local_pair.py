@@ -36,14 +36,13 @@ class LocalPair:
 def load_local_pair(args: argparse.Namespace) -> LocalPair:
     """Sets torch's thread count to --threads, then loads what `add_pair_arguments` names."""
     from ..embedded import PROMPTS_FILE, pair_paths
-    from ..prompts import load_tokenizer, read_prompts_file
+    from ..prompts import prompt_token_ids, read_prompts_file
 
     torch.set_num_threads(args.threads)
     target_dir, drafter_dir = args.target, args.drafter
     if target_dir is None or drafter_dir is None:
         embedded = pair_paths()
         target_dir, drafter_dir = target_dir or embedded[0], drafter_dir or embedded[1]
-    tokenizer = load_tokenizer(target_dir)
-    prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in read_prompts_file(PROMPTS_FILE)[: args.prompts]]
+    prompts = prompt_token_ids(read_prompts_file(PROMPTS_FILE)[: args.prompts], target_dir)
     return LocalPair(target_dir, drafter_dir, GptOssTarget(load_hf_gpt_oss(target_dir, "cpu", torch.float32)),
                      load_drafter(drafter_dir, "cpu", torch.float32), prompts)
