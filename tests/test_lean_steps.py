@@ -206,6 +206,39 @@ def test_a_lone_requests_span_writes_equal_indexed_writes(drafter):
         torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("lone", [True, False])
+def test_context_folded_into_the_first_layer_equals_writing_it_first(drafter, lone, dtype):
+    """`forward(context=...)` computes the committed tokens' context K/V in the first layer's GEMM: the
+    arena and the block's outputs are those of `write_context` then `forward`, for a lone request (span
+    positions) and for ragged rows whose padded queue entries land past their context."""
+    cfg = drafter.config
+    torch.manual_seed(3)
+    old = torch.tensor([5]) if lone else torch.tensor([5, 0, 9])
+    queued = torch.tensor([3]) if lone else torch.tensor([3, 1, 2])
+    b, width, capacity = len(old), cfg.block_size, 9 + 3 + cfg.block_size
+    features = torch.randn(b, 9, len(cfg.target_layer_ids) * cfg.hidden_size)
+    new = torch.randn(b, 3, features.shape[-1])
+    block = torch.randn(b, width, cfg.hidden_size)
+    lens = old + queued
+    if lone:
+        context_positions, block_positions = int(old[0]), int(lens[0])
+    else:
+        context_positions = old[:, None] + torch.arange(3)
+        block_positions = lens[:, None] + torch.arange(width)
+    separate, folded = drafter.new_cache(b, capacity), drafter.new_cache(b, capacity)
+    for cache in (separate, folded):
+        drafter.write_context(features, torch.arange(9).expand(b, -1), cache, dtype)
+    drafter.write_context(new, context_positions, separate, dtype)
+    expected = drafter(block, block_positions, separate, lens, dtype)
+    got = drafter(block, block_positions, folded, lens, dtype, context=(new, context_positions))
+    tolerance = 1e-5 if dtype is None else 1e-2  # the same GEMMs over other row counts: summation order
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    for row, n in enumerate(lens.tolist()):
+        for got_kv, expected_kv in ((folded.keys, separate.keys), (folded.values, separate.values)):
+            torch.testing.assert_close(got_kv[:, row, :, :n], expected_kv[:, row, :, :n], rtol=1e-6, atol=1e-6)
+
+
 def test_inference_weights_follow_parameter_updates():
     """An in-place update (an optimizer step) or new data (`.to()`) rebuilds the fused copies."""
     drafter = random_drafter(drafter_config_for(tiny_target_config(), num_layers=1, block_size=4), seed=1, std=0.1)
@@ -235,8 +268,9 @@ def test_hooked_projections_are_called_and_give_the_same_outputs(drafter):
     def outputs():
         logits, _ = target(tokens, torch.arange(9)[None], target.new_cache(1, 9), [])
         cache = drafter.new_cache(1, 9 + cfg.block_size)
-        drafter.write_context(features, torch.arange(9)[None], cache)
-        return logits, drafter(block, 9 + torch.arange(cfg.block_size)[None], cache, torch.tensor([9]))
+        drafter.write_context(features[:, :5], torch.arange(5)[None], cache)
+        return logits, drafter(block, 9 + torch.arange(cfg.block_size)[None], cache, torch.tensor([9]),
+                               context=(features[:, 5:], 5 + torch.arange(4)[None]))
 
     lean = outputs()
     seen = set()

@@ -7,8 +7,8 @@ and slots 1..B-1 predict the tokens at their own positions (dflash-algorithm.md 
 
 Context K/V is computed once per committed token (`write_context`) and cached in a per-request
 arena. The inference path (`write_context`, `forward`) is lean because a drafter step on a small model
-is bound by per-op overhead: the context K/V of all layers comes from one GEMM over stacked weights,
-q/k/v and gate/up are fused (copies rebuilt whenever a parameter changes, see `InferenceWeights`;
+is bound by per-op overhead: the context K/V of all layers comes from one GEMM over stacked weights
+(in a drafting step, the first layer's q/k/v GEMM: `forward(context=...)`), q/k/v and gate/up are fused (copies rebuilt whenever a parameter changes, see `InferenceWeights`;
 while a forward hook watches a fused projection, as calibration does, the modules run instead),
 and the block's own K/V is written to the arena slots just past each request's context, where the
 visibility mask admits it for this forward only and the next commit overwrites it (so rejected
@@ -131,8 +131,10 @@ class InferenceWeights:
 
     fc: CastLinear
     hidden_norm: torch.Tensor  # [2 H]
-    context_kv: CastLinear  # every layer's k then v projection, stacked: [layers * 2 * Hkv * D] outputs
+    context_kv: CastLinear  # every layer's k projection, then every layer's v: [2 * layers * Hkv * D] outputs
     context_k_norm: torch.Tensor  # [layers, 1, D]: each layer's k_norm weight
+    first_qkv_context: CastLinear  # the first layer's q projection, then `context_kv`'s: a drafting step's rows
+    first_qk_context_norm: torch.Tensor  # [Hq + layers * Hkv, D]: first layer's q_norm per query head, k_norms
     qkv: list[CastLinear]  # per layer [(Hq + 2 Hkv) * D] outputs
     qk_norm: list[torch.Tensor]  # per layer [Hq + Hkv, D]: q_norm per query head, then k_norm per KV head
     o_proj: list[CastLinear]
@@ -151,11 +153,16 @@ class InferenceWeights:
         def doubled(norm: RMSNorm) -> torch.Tensor:
             return norm.weight.detach().repeat(2)
 
+        context = [a.k_proj for a in attns] + [a.v_proj for a in attns]
+        k_norms = [a.k_norm.weight.detach().expand(cfg.num_key_value_heads, -1) for a in attns]
         return cls(
             fc=linear_of([drafter.fc], dtype),
             hidden_norm=doubled(drafter.hidden_norm),
-            context_kv=linear_of([p for a in attns for p in (a.k_proj, a.v_proj)], dtype),
+            context_kv=linear_of(context, dtype),
             context_k_norm=torch.stack([a.k_norm.weight.detach() for a in attns])[:, None],
+            first_qkv_context=linear_of([attns[0].q_proj, *context], dtype),
+            first_qk_context_norm=torch.cat([attns[0].q_norm.weight.detach().expand(cfg.num_attention_heads, -1),
+                                             *k_norms]),
             qkv=[linear_of([a.q_proj, a.k_proj, a.v_proj], dtype) for a in attns],
             qk_norm=[torch.cat([a.q_norm.weight.detach().expand(cfg.num_attention_heads, -1),
                                 a.k_norm.weight.detach().expand(cfg.num_key_value_heads, -1)]) for a in attns],
@@ -166,6 +173,13 @@ class InferenceWeights:
             post_attention_norm=[doubled(layer.post_attention_layernorm) for layer in drafter.layers],
             final_norm=doubled(drafter.norm),
         )
+
+
+def normed_rotated(heads: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """QK-norm then RoPE on heads [..., D]: each head's RMSNorm times `weight` (broadcast to the heads),
+    then the rotation by cos/sin (broadcast likewise)."""
+    return rotate(lean_rms_norm(heads, None, eps) * weight, cos, sin)
 
 
 def block_visibility(context_lens: torch.Tensor, width: int, length: int, window: int | None) -> torch.Tensor:
@@ -300,13 +314,12 @@ class DFlashDrafter(nn.Module):
                 cache.write(i, positions, k.transpose(1, 2), v.transpose(1, 2))
             return
         w = self.inference_weights(matmul_dtype)
-        eps = cfg.rms_norm_eps
-        fused = lean_rms_norm(w.fc(features), w.hidden_norm, eps)
+        fused = lean_rms_norm(w.fc(features), w.hidden_norm, cfg.rms_norm_eps)
         b, n, _ = fused.shape
-        kv = w.context_kv(fused).view(b, n, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim)
-        k = rotate(lean_rms_norm(kv[:, :, :, 0], None, eps) * w.context_k_norm, cos[:, :, None, None],
-                   sin[:, :, None, None])
-        cache.write_all(positions, k, kv[:, :, :, 1])
+        kv = w.context_kv(fused).view(b, n, 2, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        k = normed_rotated(kv[:, :, 0], w.context_k_norm, cos[:, :, None, None], sin[:, :, None, None],
+                           cfg.rms_norm_eps)
+        cache.write_all(positions, k, kv[:, :, 1])
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
         """The layer stack; `attend(layer, q, k, v)` supplies the context part of attention."""
@@ -320,41 +333,79 @@ class DFlashDrafter(nn.Module):
 
     @torch.inference_mode()
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor | int, cache: KVArena,
-                context_lens: torch.Tensor, matmul_dtype: torch.dtype | None = None) -> torch.Tensor:
+                context_lens: torch.Tensor, matmul_dtype: torch.dtype | None = None,
+                context: tuple[torch.Tensor, torch.Tensor | int] | None = None) -> torch.Tensor:
         """Draft one block per request: embeds [b, B, H] at positions [b, B] (or, for a lone request, the
         int position of its anchor, which is its context length); request i sees its context positions
         [0, context_lens[i]). Returns the final-normed hidden states [b, B, H].
         `matmul_dtype`: the GEMMs' dtype (`CastLinear`; None: the parameters').
+        `context`: (features, positions) of committed tokens whose context K/V to write first, as
+        `write_context` takes them (`context_lens` already counts them; for a lone request the int
+        positions must be too). The lean path computes them in the first layer's q/k/v GEMM, stacked
+        under the block's rows: one GEMM, norm and rotation less a step (5% of a drafter step, round 12).
 
         The block's K/V go to arena slots [context_lens[i], context_lens[i] + B) (the cache must have
         room for them), which hold no context: the next `write_context` overwrites them."""
         cfg = self.config
         x = cast(block_embeds, self.dtype)
         b, width, _ = x.shape
-        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if context is not None and context[0].shape[1] == 0:
+            context = None
+        lean = not self.bypassed_modules_hooked()
+        if context is not None and not lean:
+            self.write_context(*context, cache, matmul_dtype)
+            context = None
+        n = 0 if context is None else context[0].shape[1]
         if isinstance(block_positions, int):  # no reductions over tensors: a lone request's step is op-bound
-            cos, sin = self.rotary.span(block_positions, width, x.dtype, x.device)
+            cos, sin = self.rotary.span(block_positions - n, n + width, x.dtype, x.device)
             block = self.block_layout(context_lens, width, x.dtype, block_positions + width)
         else:
-            cos, sin = self.rotary(block_positions, x.dtype)
+            positions = block_positions if context is None else torch.cat([context[1], block_positions], dim=1)
+            cos, sin = self.rotary(positions, x.dtype)
             block = self.block_layout(context_lens, width, x.dtype)
-        if self.bypassed_modules_hooked():
+        if not lean:
             return self.run_layers(x, cos, sin, lambda i, q, k, v: self.block_attention(
                 i, q, k.transpose(1, 2), v.transpose(1, 2), cache, context_lens, block))
         w = self.inference_weights(matmul_dtype)
         cos, sin = cos[:, :, None], sin[:, :, None]
+        block_cos, block_sin = (cos, sin) if n == 0 else (cos[:, n:], sin[:, n:])
         eps = cfg.rms_norm_eps
         for i in range(cfg.num_hidden_layers):
-            qkv = w.qkv[i](lean_rms_norm(x, w.input_norm[i], eps)).view(b, width, -1, cfg.head_dim)
-            qk = rotate(lean_rms_norm(qkv[:, :, : hq + hkv], None, eps) * w.qk_norm[i], cos, sin)
-            attended = self.block_attention(i, qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:], qkv[:, :, hq + hkv:],
-                                            cache, context_lens, block)
+            if i == 0 and context is not None:
+                q, k, v = self.first_layer_with_context(w, x, context, cache, cos, sin)
+            else:
+                qkv = w.qkv[i](lean_rms_norm(x, w.input_norm[i], eps)).view(b, width, -1, d)
+                qk = normed_rotated(qkv[:, :, : hq + hkv], w.qk_norm[i], block_cos, block_sin, eps)
+                q, k, v = qk[:, :, :hq], qk[:, :, hq:], qkv[:, :, hq + hkv:]
+            attended = self.block_attention(i, q.transpose(1, 2), k, v, cache, context_lens, block)
             # o_proj's and down_proj's outputs stay in the GEMM dtype (the residual add promotes them), and
             # so does the SiLU gate between gate/up and down: four casts a layer less
             x = x + w.o_proj[i].native(attended)
             gate, up = w.gate_up[i].native(lean_rms_norm(x, w.post_attention_norm[i], eps)).chunk(2, dim=-1)
             x = x + w.down_proj[i].native(F.silu(gate) * up)
         return lean_rms_norm(x, w.final_norm, eps)
+
+    def first_layer_with_context(self, w: InferenceWeights, x: torch.Tensor,
+                                 context: tuple[torch.Tensor, torch.Tensor | int], cache: KVArena,
+                                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The first layer's block q, k, v [b, B, heads, D] and, from the same GEMM, every layer's context K/V
+        of the committed tokens `context` (written to the arena here): the context rows (fc -> hidden_norm)
+        and the block's (input_layernorm) go through [q0; every k; every v] together, and the context rows'
+        q0 is dropped. cos/sin cover the context rows, then the block's."""
+        cfg = self.config
+        hq, hkv, d, layers, eps = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                   cfg.num_hidden_layers, cfg.rms_norm_eps)
+        features, positions = context
+        n = features.shape[1]
+        rows = torch.cat([lean_rms_norm(w.fc(cast(features, self.dtype)), w.hidden_norm, eps),
+                          lean_rms_norm(x, w.input_norm[0], eps)], dim=1)
+        out = w.first_qkv_context(rows).view(*rows.shape[:2], -1, d)  # heads: q0, then each layer's k, then v
+        keys = hq + layers * hkv
+        qk = normed_rotated(out[:, :, :keys], w.first_qk_context_norm, cos, sin, eps)
+        cache.write_all(positions, qk[:, :n, hq:].unflatten(2, (layers, hkv)),
+                        out[:, :n, keys:].unflatten(2, (layers, hkv)))
+        return qk[:, n:, :hq], qk[:, n:, hq: hq + hkv], out[:, n:, keys: keys + hkv]
 
     def forward_train(self, features: torch.Tensor, context_positions: torch.Tensor, block_embeds: torch.Tensor,
                       block_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

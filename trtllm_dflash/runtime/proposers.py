@@ -85,29 +85,38 @@ class DFlashProposer:
 
     def start(self, features, prompt_lens, capacity):
         """Sizes every per-step buffer once: the draft arena (context plus one block of scratch), the
-        block of tokens (mask ids after the anchor column) and the column offsets."""
+        block of tokens (mask ids after the anchor column) and the column offsets; and writes the prompts'
+        context K/V, the drafter's prefill (so a step's cost does not depend on whether it is the first)."""
         batch, device = len(prompt_lens), prompt_lens.device
         self.cache = self.drafter.new_cache(batch, capacity)
         self.context_lens = torch.zeros_like(prompt_lens)
         self.pending, self.pending_lens = features, prompt_lens.clone()
         self.columns = torch.arange(capacity, device=device)
         self.block = torch.full((batch, self.block_size), self.mask_token_id, dtype=torch.long, device=device)
+        self.write_pending_context()
 
-    def write_pending_context(self) -> int | None:
-        """Write the queued committed positions' context K/V (before drafting, and on steps whose
-        drafts come from elsewhere, so the draft cache never falls behind the committed tokens).
-        Returns a lone request's context length after the write (its anchor's position), else None."""
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor | int, int | None]:
+        """The queued committed positions' features and their arena positions (`write_context`'s), the queue
+        emptied and `context_lens` advanced past them; and a lone request's anchor position (its context
+        length after them; None for a batch)."""
         lone = len(self.context_lens) == 1
         if lone:  # a lone request's positions follow its context: one span
             positions = int(self.context_lens[0])
         else:  # A row's entries past its own pending length are padding: they land past its context, where
             # nothing reads them before they are overwritten; the clamp keeps them inside the arena.
             positions = (self.context_lens[:, None] + self.columns[: self.pending.shape[1]]).clamp_(max=self.cache.capacity - 1)
-        self.drafter.write_context(self.pending, positions, self.cache, self.matmul_dtype)
+        features = self.pending
         self.context_lens += self.pending_lens
-        written = self.pending.shape[1]  # a lone request's queue is exactly its pending length wide
         self.pending, self.pending_lens = self.pending[:, :0], self.pending_lens.zero_()
-        return positions + written if lone else None
+        # a lone request's queue is exactly its pending length wide
+        return features, positions, positions + features.shape[1] if lone else None
+
+    def write_pending_context(self) -> None:
+        """Write the queued context K/V on steps whose drafts come from elsewhere, so the draft cache never
+        falls behind the committed tokens (a drafter step writes them in its forward)."""
+        features, positions, _ = self.take_pending()
+        if features.shape[1]:
+            self.drafter.write_context(features, positions, self.cache, self.matmul_dtype)
 
     def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
         drafting = num_drafts > 0 if self.policy is None else self.policy.choose("neural", num_drafts) > 0
@@ -130,12 +139,13 @@ class DFlashProposer:
         greedy draft's probability): a function of the distributions, never of the tokens drawn from
         them, so a K chosen by it keeps rejection sampling exact (one chosen by the drawn token's own
         probability would not: the drafts it keeps would no longer be distributed as q)."""
-        lone_anchor = self.write_pending_context()
+        features, context_positions, lone_anchor = self.take_pending()
         width = num_drafts + 1
         block = self.block[:, :width]
         block[:, 0] = anchors
         positions = anchor_positions[:, None] + self.columns[:width] if lone_anchor is None else lone_anchor
-        hidden = self.drafter(self.target.embed(block), positions, self.cache, self.context_lens, self.matmul_dtype)
+        hidden = self.drafter(self.target.embed(block), positions, self.cache, self.context_lens, self.matmul_dtype,
+                              context=(features, context_positions))
         logits = self.draft_logits(hidden[:, 1:])
         if params.greedy:
             if self.keep_confidence:
