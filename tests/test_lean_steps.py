@@ -232,11 +232,14 @@ def test_context_folded_into_the_first_layer_equals_writing_it_first(drafter, lo
     drafter.write_context(new, context_positions, separate, dtype)
     expected = drafter(block, block_positions, separate, lens, dtype)
     got = drafter(block, block_positions, folded, lens, dtype, context=(new, context_positions))
-    tolerance = 1e-5 if dtype is None else 1e-2  # the same GEMMs over other row counts: summation order
+    # float32: the same GEMMs over other row counts (summation order); bf16: where oneDNN packs it, the
+    # stacked rows reach 16 and take it, while the separate write's few rows take fbgemm's float16
+    tolerance = 1e-5 if dtype is None else 5e-2
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
     for row, n in enumerate(lens.tolist()):
         for got_kv, expected_kv in ((folded.keys, separate.keys), (folded.values, separate.values)):
-            torch.testing.assert_close(got_kv[:, row, :, :n], expected_kv[:, row, :, :n], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(got_kv[:, row, :, :n], expected_kv[:, row, :, :n], rtol=tolerance,
+                                       atol=tolerance)
 
 
 def test_inference_weights_follow_parameter_updates():

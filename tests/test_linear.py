@@ -102,9 +102,13 @@ def test_cast_linear_without_onednn_uses_a_bf16_weight_copy(monkeypatch):
 
 
 def test_a_narrower_gemm_dtype_serves_only_large_weights_except_fbgemms_float16(monkeypatch):
-    """A small GEMM is bound by the call, not by reading its weight: bf16 (oneDNN's call) serves only large
-    ones; a small one keeps its dtype, or takes fbgemm's float16 where it runs, which pays at every size."""
+    """A small GEMM is bound by the call, not by reading its weight: without oneDNN's packing bf16 serves
+    only large ones; a small one keeps its dtype, or takes fbgemm's float16 where it runs, which pays at
+    every size. Where oneDNN packs bf16, every size takes it (its few-row calls go to a copy)."""
     large, small = torch.empty(NARROW_MIN_WEIGHTS // 256, 256), torch.empty(1024, 256)
+    monkeypatch.setattr(linear, "onednn_packs", lambda dtype, device: True)
+    assert gemm_dtype(small, torch.bfloat16) == torch.bfloat16
+    monkeypatch.setattr(linear, "onednn_packs", lambda dtype, device: False)
     monkeypatch.setattr(linear, "fbgemm_fp16", lambda: False)
     assert gemm_dtype(large, torch.bfloat16) == torch.bfloat16
     assert gemm_dtype(small, torch.bfloat16) == torch.float32

@@ -356,10 +356,14 @@ def test_narrower_drafter_gemms_stay_token_identical_and_close(random_pair, monk
     hybrid stay token-identical to generate. (The random pair's GEMMs are all small, which a narrower
     dtype would not serve: every one is narrowed here.)"""
     target, drafter, prompts, expected = random_pair
-    # the random pair's LM head is small: bf16 does not serve it, fbgemm's float16 does where it runs, from a
-    # copy of its own (the target's random float32 head does not fit float16); else the target's own head serves
+    # the random pair's LM head is small: bf16 serves it only where oneDNN packs it; else fbgemm's float16 does
+    # where it runs, from a copy of its own (the target's random float32 head does not fit float16); else the
+    # target's own head serves
     head = DFlashProposer(drafter, target, matmul_dtype=narrow).head
-    assert (head is None) == (not linear.fbgemm_fp16()) and (head is None or head.dtype == torch.float16)
+    if narrow == torch.bfloat16 and linear.onednn_packs(narrow, target.device):
+        assert head is not None and head.dtype == torch.bfloat16
+    else:
+        assert (head is None) == (not linear.fbgemm_fp16()) and (head is None or head.dtype == torch.float16)
     monkeypatch.setattr(linear, "NARROW_MIN_WEIGHTS", 0)
     monkeypatch.setattr(linear, "NARROW_MIN_ROWS", 0)
     monkeypatch.setattr(drafter, "_fused", None)  # fused weights built under the default rule

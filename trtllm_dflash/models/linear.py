@@ -7,9 +7,12 @@ Two facts about small GEMMs on this project's CPUs shape it (docs/benchmarks.md,
   weight (the drafter's LM head) halves its bytes in bf16 through oneDNN, whose CPU path takes the
   weight reordered once into its blocked layout (`mkldnn._reorder_linear_weight`, what inductor's CPU
   freezing pass does for bf16 linears). But a oneDNN call costs ~25 us more than MKL's, more than a
-  small GEMM's halved bytes give back, so bf16 only serves GEMMs with at least `NARROW_MIN_WEIGHTS`
-  weights (`gemm_dtype`): the LM head here, every GEMM of a gpt-oss-120b drafter.
-  And only at `NARROW_MIN_ROWS` rows or more: at a lone request's 7 draft rows the LM head ran 3-5%
+  small GEMM's few-row halved bytes give back, so bf16 serves every GEMM only where oneDNN packs it (a
+  CPU with native bf16), whose few-row calls go to another copy (below): there a 256 x 256 to 1024 x 256
+  drafter GEMM at 16-32 rows took 0.4-0.9x fbgemm's float16 time on an AMX Xeon (round 12). Elsewhere
+  bf16 serves only GEMMs with at least `NARROW_MIN_WEIGHTS` weights (`gemm_dtype`): the LM head here,
+  every GEMM of a gpt-oss-120b drafter.
+  And on CPU only at `NARROW_MIN_ROWS` rows or more: at a lone request's 7 draft rows the LM head ran 3-5%
   slower in bf16 inside the loop than as float32 on its weight stored [in, out] (bound by the call and
   the weight's bytes alike), while at 56 rows (a batch of 8) float32 takes 2.8x bf16's time (bound by
   arithmetic, where AMX and AVX512-BF16 double the rate); so a packed GEMM keeps a copy for fewer rows
@@ -115,13 +118,16 @@ def native_bf16(device: torch.device) -> bool:
 
 def gemm_dtype(weight: torch.Tensor, wanted: torch.dtype | None) -> torch.dtype:
     """The dtype of a GEMM over `weight` when `wanted` is asked (None: the weight's own): fbgemm's float16
-    at any size; another narrower dtype only for a weight of at least `NARROW_MIN_WEIGHTS`, a smaller one
-    in fbgemm's float16 where it runs, else in its own dtype (see the module's docstring)."""
+    at any size; bf16 at any size where oneDNN packs it (`CastLinear` hands its few-row calls to a copy);
+    another narrower dtype only for a weight of at least `NARROW_MIN_WEIGHTS`, a smaller one in fbgemm's
+    float16 where it runs, else in its own dtype (see the module's docstring)."""
     if wanted is None:
         return weight.dtype
     if half_weights(wanted, weight.device) or wanted.itemsize >= weight.dtype.itemsize:
         return wanted
-    return wanted if weight.numel() >= NARROW_MIN_WEIGHTS else half_or(weight.dtype, weight.device)
+    if weight.numel() >= NARROW_MIN_WEIGHTS or onednn_packs(wanted, weight.device):
+        return wanted
+    return half_or(weight.dtype, weight.device)
 
 
 class CastLinear:
