@@ -112,8 +112,9 @@ class DFlashProposer:
         return features, positions, positions + features.shape[1] if lone else None
 
     def write_pending_context(self) -> None:
-        """Write the queued context K/V on steps whose drafts come from elsewhere, so the draft cache never
-        falls behind the committed tokens (a drafter step writes them in its forward)."""
+        """Write the queued context K/V now: the prompts' at `start`, and the committed tokens' on steps whose
+        drafts come from elsewhere, so the draft cache never falls behind (a drafter step writes them in its
+        forward)."""
         features, positions, _ = self.take_pending()
         if features.shape[1]:
             self.drafter.write_context(features, positions, self.cache, self.matmul_dtype)
