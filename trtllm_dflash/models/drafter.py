@@ -8,8 +8,9 @@ and slots 1..B-1 predict the tokens at their own positions (dflash-algorithm.md 
 Context K/V is computed once per committed token (`write_context`) and cached in a per-request
 arena. The inference path (`write_context`, `forward`) is lean because a drafter step on a small model
 is bound by per-op overhead: the context K/V of all layers comes from one GEMM over stacked weights
-(in a drafting step, the first layer's q/k/v GEMM: `forward(context=...)`), q/k/v and gate/up are fused (copies rebuilt whenever a parameter changes, see `InferenceWeights`;
-while a forward hook watches a fused projection, as calibration does, the modules run instead),
+(in a drafting step, the first layer's q/k/v GEMM: `forward(context=...)`), q/k/v and gate/up are fused
+(copies rebuilt whenever a parameter changes, see `InferenceWeights`; while a forward hook watches a
+fused projection, as calibration does, the modules run instead),
 and the block's own K/V is written to the arena slots just past each request's context, where the
 visibility mask admits it for this forward only and the next commit overwrites it (so rejected
 drafts never become context). `run_layers` / `forward_train` keep the per-module formulation that
@@ -154,18 +155,17 @@ class InferenceWeights:
             return norm.weight.detach().repeat(2)
 
         context = [a.k_proj for a in attns] + [a.v_proj for a in attns]
-        k_norms = [a.k_norm.weight.detach().expand(cfg.num_key_value_heads, -1) for a in attns]
+        q_norms = [a.q_norm.weight.detach().expand(cfg.num_attention_heads, -1) for a in attns]  # per query head
+        k_norms = [a.k_norm.weight.detach().expand(cfg.num_key_value_heads, -1) for a in attns]  # per KV head
         return cls(
             fc=linear_of([drafter.fc], dtype),
             hidden_norm=doubled(drafter.hidden_norm),
             context_kv=linear_of(context, dtype),
             context_k_norm=torch.stack([a.k_norm.weight.detach() for a in attns])[:, None],
             first_qkv_context=linear_of([attns[0].q_proj, *context], dtype),
-            first_qk_context_norm=torch.cat([attns[0].q_norm.weight.detach().expand(cfg.num_attention_heads, -1),
-                                             *k_norms]),
+            first_qk_context_norm=torch.cat([q_norms[0], *k_norms]),
             qkv=[linear_of([a.q_proj, a.k_proj, a.v_proj], dtype) for a in attns],
-            qk_norm=[torch.cat([a.q_norm.weight.detach().expand(cfg.num_attention_heads, -1),
-                                a.k_norm.weight.detach().expand(cfg.num_key_value_heads, -1)]) for a in attns],
+            qk_norm=[torch.cat([q, k]) for q, k in zip(q_norms, k_norms)],
             o_proj=[linear_of([a.o_proj], dtype) for a in attns],
             gate_up=[linear_of([m.gate_proj, m.up_proj], dtype) for m in mlps],
             down_proj=[linear_of([m.down_proj], dtype) for m in mlps],
@@ -314,12 +314,16 @@ class DFlashDrafter(nn.Module):
                 cache.write(i, positions, k.transpose(1, 2), v.transpose(1, 2))
             return
         w = self.inference_weights(matmul_dtype)
-        fused = lean_rms_norm(w.fc(features), w.hidden_norm, cfg.rms_norm_eps)
+        fused = self.fused_features(w, features)
         b, n, _ = fused.shape
         kv = w.context_kv(fused).view(b, n, 2, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
         k = normed_rotated(kv[:, :, 0], w.context_k_norm, cos[:, :, None, None], sin[:, :, None, None],
                            cfg.rms_norm_eps)
         cache.write_all(positions, k, kv[:, :, 1])
+
+    def fused_features(self, w: InferenceWeights, features: torch.Tensor) -> torch.Tensor:
+        """The lean path's fc -> hidden_norm of target features [b, n, F]: every layer's context K/V input."""
+        return lean_rms_norm(w.fc(cast(features, self.dtype)), w.hidden_norm, self.config.rms_norm_eps)
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
         """The layer stack; `attend(layer, q, k, v)` supplies the context part of attention."""
@@ -398,8 +402,7 @@ class DFlashDrafter(nn.Module):
                                    cfg.num_hidden_layers, cfg.rms_norm_eps)
         features, positions = context
         n = features.shape[1]
-        rows = torch.cat([lean_rms_norm(w.fc(cast(features, self.dtype)), w.hidden_norm, eps),
-                          lean_rms_norm(x, w.input_norm[0], eps)], dim=1)
+        rows = torch.cat([self.fused_features(w, features), lean_rms_norm(x, w.input_norm[0], eps)], dim=1)
         out = w.first_qkv_context(rows).view(*rows.shape[:2], -1, d)  # heads: q0, then each layer's k, then v
         keys = hq + layers * hkv
         qk = normed_rotated(out[:, :, :keys], w.first_qk_context_norm, cos, sin, eps)
