@@ -75,7 +75,8 @@ def test_the_embedded_targets_mxfp4_experts_read_from_each_storage_give_the_same
     assert target.hf.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
     expected = ["float32", "bfloat16"] + (["float16"] if fbgemm_fp16() else [])
     assert list(target.expert_storages) == expected and target.expert_storage == "float32"
-    assert target.head.half == fbgemm_fp16()  # its bf16 LM head fits float16
+    # its bf16 LM head and attention projections fit float16
+    assert all(linear.half == fbgemm_fp16() for linear in [*target.qkv, *target.o_proj, target.head])
     tokens = torch.randint(0, target.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(12).expand(2, -1)
     logits = {}
@@ -110,10 +111,18 @@ def test_fused_attention_equals_sink_attention(with_sinks, dtype):
         torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
 
 
-def test_target_logits_equal_transformers_forward():
-    """The lean forward (fused qkv, fused attention, routed experts) against transformers' own forward."""
+@pytest.mark.parametrize("bf16_weights", [False, True])
+def test_target_logits_equal_transformers_forward(bf16_weights):
+    """The lean forward (fused qkv, fused attention, routed experts) against transformers' own forward; with
+    bf16-valued weights (as gpt-oss checkpoints store them) the dense GEMMs run in fbgemm's float16 where it runs."""
     hf = random_target(tiny_target_config(num_layers=4, sliding_window=4, experts=8, top_k=2), seed=5).float()
+    if bf16_weights:
+        with torch.no_grad():
+            for parameter in hf.parameters():
+                parameter.copy_(parameter.bfloat16().float())
     target = GptOssTarget(hf)
+    half = bf16_weights and fbgemm_fp16()
+    assert all(linear.half == half for linear in [*target.qkv, *target.o_proj, target.head])
     tokens = torch.randint(0, 256, (2, 14))
     logits, _ = target(tokens, torch.arange(14).expand(2, -1), target.new_cache(2, 14), [])
     with torch.no_grad():

@@ -34,7 +34,8 @@ from .drafter_config import DFlashConfig
 from .kv_cache import KVArena
 from .linear import CastLinear, cast, gemm_dtype
 from .rope import Rotary, apply_rotary, rotate
-from .target import attention_bias, fused_attention, hooked, sink_attention
+from .target import (attention_bias, doubled_weight, fused_attention, hooked, lean_rms_norm, normalized,
+                     sink_attention)
 
 
 class RMSNorm(nn.Module):
@@ -49,24 +50,6 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32 == self.weight.dtype:  # the same numbers, one op less
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * normalized(x, self.eps)
-
-
-def normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dim, in float32, cast back (the RMSNorm without its weight)."""
-    return F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
-
-
-def lean_rms_norm(x: torch.Tensor, doubled: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """The inference path's RMSNorm of x over its last dim, times the weight w whose `doubled` copy
-    [w, w] is given (None: unscaled). For float32 on CPU it is one layer_norm over [x, -x], whose mean
-    is 0 and whose variance is mean(x^2): 3 kernels where torch 2.13 decomposes F.rms_norm into 10 on
-    CPU, nine norms a drafter step; the same values to float32 rounding (~3e-7 relative). Elsewhere
-    the Qwen3 formulation (`RMSNorm`)."""
-    d = x.shape[-1]
-    if x.dtype == torch.float32 and x.device.type == "cpu":
-        return F.layer_norm(torch.cat([x, -x], dim=-1), (2 * d,), doubled, None, eps)[..., :d]
-    y = normalized(x, eps)
-    return y if doubled is None else doubled[:d] * y
 
 
 class DraftAttention(nn.Module):
@@ -151,15 +134,12 @@ class InferenceWeights:
         attns = [layer.self_attn for layer in drafter.layers]
         mlps = [layer.mlp for layer in drafter.layers]
 
-        def doubled(norm: RMSNorm) -> torch.Tensor:
-            return norm.weight.detach().repeat(2)
-
         context = [a.k_proj for a in attns] + [a.v_proj for a in attns]
         q_norms = [a.q_norm.weight.detach().expand(cfg.num_attention_heads, -1) for a in attns]  # per query head
         k_norms = [a.k_norm.weight.detach().expand(cfg.num_key_value_heads, -1) for a in attns]  # per KV head
         return cls(
             fc=linear_of([drafter.fc], dtype),
-            hidden_norm=doubled(drafter.hidden_norm),
+            hidden_norm=doubled_weight(drafter.hidden_norm),
             context_kv=linear_of(context, dtype),
             context_k_norm=torch.stack([a.k_norm.weight.detach() for a in attns])[:, None],
             first_qkv_context=linear_of([attns[0].q_proj, *context], dtype),
@@ -169,9 +149,9 @@ class InferenceWeights:
             o_proj=[linear_of([a.o_proj], dtype) for a in attns],
             gate_up=[linear_of([m.gate_proj, m.up_proj], dtype) for m in mlps],
             down_proj=[linear_of([m.down_proj], dtype) for m in mlps],
-            input_norm=[doubled(layer.input_layernorm) for layer in drafter.layers],
-            post_attention_norm=[doubled(layer.post_attention_layernorm) for layer in drafter.layers],
-            final_norm=doubled(drafter.norm),
+            input_norm=[doubled_weight(layer.input_layernorm) for layer in drafter.layers],
+            post_attention_norm=[doubled_weight(layer.post_attention_layernorm) for layer in drafter.layers],
+            final_norm=doubled_weight(drafter.norm),
         )
 
 
