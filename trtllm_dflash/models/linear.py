@@ -21,9 +21,9 @@ fbgemm's fp16-weight GEMM (x86 CPU builds) multiplies a float16 copy of the weig
 float32 inputs, products and sums. Two uses:
 - Exact-class GEMMs of the target: where float16 holds the float32 weight to float32's own accuracy
   (`fits_half`: bf16 weights, MXFP4 experts), its result is the float32 GEMM's up to summation order,
-  like MKL's, from half the bytes. The target's LM head, q/k/v and o_proj run that way (`exact_dtype`): the
-  attention projections in float16 took a verify of 8 tokens from 2.47 to 2.21 ms on an AVX512 AMD EPYC VM,
-  the AR step level (round 13).
+  like MKL's, from half the bytes. The target's LM head, q/k/v and o_proj run that way (`exact_dtype`):
+  the attention projections in float16 took a verify of 8 tokens from 2.47 to 2.21 ms inside the loop on
+  an AVX512 AMD EPYC VM, the AR step level (round 13).
 - The drafter's GEMMs, at every size: on an AVX512 AMD EPYC VM the drafter step ran in 0.76x its time
   inside the loop with every GEMM in float16 against float32 ones beside a bf16 LM head (round 10), and
   on an AVX2 one its 7-row LM head in half the float32 time (round 9). Where bf16 is native, oneDNN's
