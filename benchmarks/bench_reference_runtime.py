@@ -4,6 +4,7 @@ vs autoregressive, same prompts, one process.
     python benchmarks/bench_reference_runtime.py [--target DIR --drafter DIR] [--prompts-file FILE]
                                                  [--batch-size N] [--max-tokens N] [--repeats N]
                                                  [--threads N] [--sa-thresholds 2,3,4] [--adaptive]
+                                                 [--sa-max-drafts N]
                                                  [--drafter-gemm-dtype D] [--also-drafter-gemm-dtype D]
 
 Pair: --target/--drafter, else the embedded default pair with its held-out prompts, else (with
@@ -13,7 +14,9 @@ batch before the next, in rotating order) and speed-ups are the median of per-re
 (min..max beside it), so machine noise largely cancels. tau is pooled:
 committed tokens over verify steps of all prompts. Greedy outputs are also checked for
 losslessness against the autoregressive run. With --adaptive, DFlash and dflash-sa also run with a
-per-step adaptive draft length (`runtime/draft_length.py`), its step costs measured here first. The
+per-step adaptive draft length (`runtime/draft_length.py`), its step costs measured here first. With --sa-max-drafts N, the dflash-sa rows at
+the first threshold also run with suffix drafts of up to N tokens (rows suffixed -sN;
+`SuffixDFlashProposer(max_suffix_drafts=N)`), and n-gram with N drafts (ngram-kN) beside them. The
 DFlash and dflash-sa rows run the drafter step's GEMMs as `dflash-run --drafter-gemm-dtype` would
 (`--drafter-gemm-dtype`, default auto); with --also-drafter-gemm-dtype D, every such row is also run
 with them in D (`DFlashProposer(matmul_dtype=...)`; rows suffixed -D, adaptive ones with their own
@@ -72,6 +75,8 @@ def main() -> None:
                         help="dflash-sa rows at these suffix-match thresholds (comma-separated)")
     parser.add_argument("--adaptive", action="store_true",
                         help="add DFlash and dflash-sa rows with a per-step adaptive draft length")
+    parser.add_argument("--sa-max-drafts", type=int,
+                        help="add dflash-sa rows whose suffix drafts run up to this many tokens, and n-gram with as many")
     parser.add_argument("--expert-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="as dflash-run's option of that name")
     parser.add_argument("--drafter-gemm-dtype", choices=DRAFTER_GEMM_DTYPES, default="auto",
@@ -108,6 +113,9 @@ def main() -> None:
                               args.batch_size, block))
     runtimes = {"autoregressive": ReferenceRuntime(target, None),
                 "ngram": ReferenceRuntime(target, NGramProposer(num_drafts=block - 1))}
+    longest = args.sa_max_drafts
+    if longest:
+        runtimes[f"ngram-k{longest}"] = ReferenceRuntime(target, NGramProposer(num_drafts=longest))
     policies: dict[str, AdaptiveDraftLength] = {}
     first_threshold = int(args.sa_thresholds.split(",")[0])
     gemm_choices = [(args.drafter_gemm_dtype, "")]
@@ -125,6 +133,9 @@ def main() -> None:
             runtimes[f"dflash-b{extra}{suffix}"] = ReferenceRuntime(target, dflash(block_size=extra))
         for threshold in (int(x) for x in args.sa_thresholds.split(",") if x):
             runtimes[f"dflash-sa{threshold}{suffix}"] = ReferenceRuntime(target, SuffixDFlashProposer(dflash(), threshold))
+        if longest:
+            runtimes[f"dflash-sa{first_threshold}-s{longest}{suffix}"] = ReferenceRuntime(
+                target, SuffixDFlashProposer(dflash(), first_threshold, max_suffix_drafts=longest))
         if args.adaptive:
             start = time.perf_counter()
             costs = measure_step_costs(target, dflash, args.batch_size, block - 1)
@@ -135,6 +146,13 @@ def main() -> None:
             name = f"dflash-sa{first_threshold}-adapt{suffix}"
             policies[name] = AdaptiveDraftLength(costs)
             runtimes[name] = ReferenceRuntime(target, SuffixDFlashProposer(dflash(), first_threshold, policy=policies[name]))
+            if longest:
+                costs = measure_step_costs(target, dflash, args.batch_size, block - 1, suffix_most=longest)
+                print(f"step costs{suffix} with suffix drafts up to {longest}: {format_costs(costs)}")
+                name = f"dflash-sa{first_threshold}-s{longest}-adapt{suffix}"
+                policies[name] = AdaptiveDraftLength(costs)
+                runtimes[name] = ReferenceRuntime(target, SuffixDFlashProposer(
+                    dflash(), first_threshold, policy=policies[name], max_suffix_drafts=longest))
     for runtime in runtimes.values():
         runtime.warm_up(prompts[0])
     rates: dict[str, list[float]] = {name: [] for name in runtimes}

@@ -125,21 +125,35 @@ def write_text(path: Path, text: str) -> None:
         raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
-def resolve_draft_method(draft_method: str | None, sa_threshold: int | None, backend: str,
-                         engine) -> tuple[str, int | None]:
-    """-> (method, suffix-match threshold or None). Default: dflash-sa on the reference runtime (the
-    fastest there, docs/benchmarks.md), DFlash on TensorRT-LLM (which has no suffix drafting)."""
-    from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD
+class DraftMethod(NamedTuple):
+    method: str
+    sa_threshold: int | None = None  # dflash-sa only
+    sa_max_drafts: int | None = None  # dflash-sa only: the longest suffix draft
+
+
+def resolve_draft_method(draft_method: str | None, sa_threshold: int | None, sa_max_drafts: int | None,
+                         backend: str, engine, drafter_block: int, block_size: int | None) -> DraftMethod:
+    """The method and its suffix settings. Default: dflash-sa on the reference runtime (the fastest there,
+    docs/benchmarks.md), DFlash on TensorRT-LLM (which has no suffix drafting). dflash-sa's suffix drafts
+    run up to `default_sa_max_drafts` of the drafter's block by default, or where a verify block was set
+    (--block-size, an engine's max_draft_len) up to that block's drafts: a width asked for is kept."""
+    from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD, default_sa_max_drafts
 
     if backend == "trtllm":
-        if draft_method in ("ngram", "dflash-sa") or sa_threshold is not None:
-            raise InputError("--draft-method ngram / dflash-sa and --sa-threshold run on the reference backend only; "
-                             "the trtllm backend runs DFlash.", field="--backend")
-        return "dflash", None
+        if draft_method in ("ngram", "dflash-sa") or sa_threshold is not None or sa_max_drafts is not None:
+            raise InputError("--draft-method ngram / dflash-sa, --sa-threshold and --sa-max-drafts run on the reference "
+                             "backend only; the trtllm backend runs DFlash.", field="--backend")
+        return DraftMethod("dflash")
     method = draft_method or "dflash-sa"
     if method != "dflash-sa":
-        return method, None
-    return method, sa_threshold or (engine.sa_threshold if engine is not None else None) or DEFAULT_SA_THRESHOLD
+        return DraftMethod(method)
+    threshold = sa_threshold or (engine.sa_threshold if engine is not None else None) or DEFAULT_SA_THRESHOLD
+    drafts = (block_size or drafter_block) - 1
+    if sa_max_drafts is not None and sa_max_drafts < drafts:
+        raise InputError(f"expected at least the verify block's {drafts} drafts (suffix drafts run past the block, "
+                         f"never short of it), got {sa_max_drafts}.", field="--sa-max-drafts")
+    longest = sa_max_drafts or (drafts if block_size else default_sa_max_drafts(drafter_block))
+    return DraftMethod(method, threshold, longest)
 
 
 def resolve_draft_length(draft_length: str | None, method: str, backend: str) -> str:
@@ -168,8 +182,10 @@ def check_drafter_gemm(drafter_gemm: str | None, method: str, backend: str) -> N
         raise InputError("n-gram drafting runs no drafter.", field="--drafter-gemm-dtype")
 
 
-def adaptive_policy(target, drafter, block_size: int | None, batch_size: int, matmul_dtype: torch.dtype | None):
-    """The adaptive draft-length policy, from step costs measured here at this batch size."""
+def adaptive_policy(target, drafter, block_size: int | None, batch_size: int, matmul_dtype: torch.dtype | None,
+                    suffix_most: int | None = None):
+    """The adaptive draft-length policy, from step costs measured here at this batch size (suffix drafts up
+    to `suffix_most`, default the block's)."""
     import time
 
     from trtllm_dflash.runtime.draft_length import AdaptiveDraftLength, format_costs, measure_step_costs
@@ -178,9 +194,9 @@ def adaptive_policy(target, drafter, block_size: int | None, batch_size: int, ma
     most = (block_size or drafter.config.block_size) - 1
     start = time.perf_counter()
     costs = measure_step_costs(target, lambda: DFlashProposer(drafter, target, block_size, matmul_dtype=matmul_dtype),
-                               batch_size, most)
+                               batch_size, most, suffix_most=suffix_most)
     click.echo(f"adaptive draft length: step costs at batch {batch_size} measured in "
-               f"{time.perf_counter() - start:.1f} s (ms, K = 0..{most}): {format_costs(costs)}", err=True)
+               f"{time.perf_counter() - start:.1f} s (ms, K = 0, 1, ...): {format_costs(costs)}", err=True)
     return AdaptiveDraftLength(costs)
 
 
@@ -206,8 +222,8 @@ class RuntimeSetup(NamedTuple):
     expert_dtype: str | None  # what the reference runtime's MoE reads; None on TensorRT-LLM
 
 
-def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, drafter_dir: Path, draft_method: str,
-                  sa_threshold: int | None, block_size: int | None, schedule: dict[int, int] | None, device: str,
+def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, drafter_dir: Path, draft: DraftMethod,
+                  block_size: int | None, schedule: dict[int, int] | None, device: str,
                   dtype: str, with_baseline: bool, draft_length: str = "fixed", batch_size: int = 1,
                   drafter_gemm: str = "auto", expert_dtype: str = "auto") -> RuntimeSetup:
     """The runtime(s) for this run and how they run."""
@@ -235,17 +251,18 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
     target = GptOssTarget(load_hf_gpt_oss(target_dir, torch_device, torch_dtype))
     width = block_size or DFlashConfig.from_json(drafter_dir / "config.json").block_size
     experts = expert_storage(target, expert_dtype, batch_size, width)  # before the adaptive policy times steps
-    if draft_method == "ngram":
+    if draft.method == "ngram":
         proposer, gemm_dtype = NGramProposer(num_drafts=width - 1), None
     else:
+        hybrid = draft.method == "dflash-sa"
         drafter = load_drafter(drafter_dir, torch_device, torch_dtype)
         matmul_dtype = drafter_gemm_dtype(drafter_gemm, torch_dtype, torch_device)
         gemm_dtype = matmul_dtype or torch_dtype
-        policy = (adaptive_policy(target, drafter, block_size, batch_size, matmul_dtype)
+        policy = (adaptive_policy(target, drafter, block_size, batch_size, matmul_dtype, draft.sa_max_drafts)
                   if draft_length == "adaptive" else None)
-        dflash = DFlashProposer(drafter, target, block_size, matmul_dtype=matmul_dtype,
-                                policy=None if draft_method == "dflash-sa" else policy)
-        proposer = SuffixDFlashProposer(dflash, sa_threshold, policy=policy) if draft_method == "dflash-sa" else dflash
+        dflash = DFlashProposer(drafter, target, block_size, matmul_dtype=matmul_dtype, policy=None if hybrid else policy)
+        proposer = (SuffixDFlashProposer(dflash, draft.sa_threshold, policy=policy, max_suffix_drafts=draft.sa_max_drafts)
+                    if hybrid else dflash)
     runtimes = [ReferenceRuntime(target, proposer, draft_len_schedule=schedule)]
     if with_baseline:
         runtimes.append(ReferenceRuntime(target, None))
@@ -312,6 +329,12 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
 @click.option("--sa-threshold", type=click.IntRange(min=1),
               help="dflash-sa: take suffix drafts when the longest earlier-occurring suffix has at least this many "
                    "tokens [default: the engine's, else 2].")
+@click.option("--sa-max-drafts", type=click.IntRange(min=1),
+              help="dflash-sa: the most drafts a suffix match proposes, at least the block's; suffix drafts are not "
+                   "bound to the drafter's block (a step that runs the drafter verifies at most its block) [default: "
+                   "2 x the drafter's "
+                   "block - 1, 15 for the embedded pair; with --block-size or an engine's max_draft_len, that "
+                   "block's drafts].")
 @click.option("--draft-length", type=click.Choice(["adaptive", "fixed"]),
               help="adaptive: per step, the number of drafts (0 = an autoregressive step) that maximises expected tokens "
                    "per second of step, from step costs measured at start-up (seconds) and the acceptance seen so far; a "
@@ -348,8 +371,9 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
 @click.option("--verify", is_flag=True, help="Check every file of ENGINE_DIR against its sha256 first.")
 @clean_errors
 def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, max_tokens, temperature, top_p,
-         top_k, seed, batch_size, block_size, draft_method, sa_threshold, draft_length, drafter_gemm, expert_dtype,
-         backend, device, dtype, baseline, repeats, threads, as_json, output, stats_file, no_stream, verify):
+         top_k, seed, batch_size, block_size, draft_method, sa_threshold, sa_max_drafts, draft_length, drafter_gemm,
+         expert_dtype, backend, device, dtype, baseline, repeats, threads, as_json, output, stats_file, no_stream,
+         verify):
     """Run the DFlash draft-verify loop on ENGINE_DIR (or --target/--drafter, or the embedded default)."""
     from trtllm_dflash.checkpoints.gpt_oss import stop_token_ids
     from trtllm_dflash.checkpoints.validate import validate_pair
@@ -359,9 +383,11 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     for path, option in ((output, "--output"), (stats_file, "--stats-file")):
         if path is not None:  # before the run, not after it
             check_output_path(path, option, directory=False)
-    if sa_threshold is not None and draft_method not in (None, "dflash-sa"):
-        raise InputError(f"sets the suffix-match length of --draft-method dflash-sa; it means nothing with "
-                         f"--draft-method {draft_method}.", field="--sa-threshold")
+    for value, option, what in ((sa_threshold, "--sa-threshold", "the suffix-match length"),
+                                (sa_max_drafts, "--sa-max-drafts", "the longest suffix draft")):
+        if value is not None and draft_method not in (None, "dflash-sa"):
+            raise InputError(f"sets {what} of --draft-method dflash-sa; it means nothing with "
+                             f"--draft-method {draft_method}.", field=option)
     if repeats is not None and not baseline:
         raise InputError("repeats the comparison with autoregressive decoding; add --baseline.", field="--repeats")
     repeats = repeats or (3 if baseline else 1)
@@ -400,11 +426,13 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     else:
         chosen, reason = choose_backend(backend)
     click.echo(f"backend: {chosen} ({reason})", err=True)
-    method, sa_threshold = resolve_draft_method(draft_method, sa_threshold, chosen, engine)
+    draft = resolve_draft_method(draft_method, sa_threshold, sa_max_drafts, chosen, engine,
+                                 pair.drafter_config.block_size, block_size)
+    method = draft.method
     draft_length = resolve_draft_length(draft_length, method, chosen)
     check_drafter_gemm(drafter_gemm, method, chosen)
     check_expert_dtype(expert_dtype, chosen)
-    setup = build_runtime(chosen, engine.root if engine else None, target_dir, drafter_dir, method, sa_threshold,
+    setup = build_runtime(chosen, engine.root if engine else None, target_dir, drafter_dir, draft,
                           block_size, schedule, device, dtype, baseline, draft_length, batch_size,
                           drafter_gemm or "auto", expert_dtype or "auto")
     runtimes, gemm_dtype = setup.runtimes, setup.drafter_gemm_dtype
@@ -424,7 +452,8 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     records = [json_record(p, [run[i] for run in spec_runs], tokenizer,
                            None if base_runs is None else [run[i] for run in base_runs])
                for i, p in enumerate(prompts[: len(results)])]
-    summary = summary_record(results, spec_runs, base_runs, batch_size, method=method, sa_threshold=sa_threshold,
+    summary = summary_record(results, spec_runs, base_runs, batch_size, method=method, sa_threshold=draft.sa_threshold,
+                             sa_max_drafts=draft.sa_max_drafts,
                              draft_length=draft_length,
                              drafter_gemm_dtype=None if gemm_dtype is None else str(gemm_dtype).removeprefix("torch."),
                              expert_dtype=setup.expert_dtype, backend=chosen, threads=torch.get_num_threads(),

@@ -42,12 +42,14 @@ def test_json_output_and_baseline(tiny_pair, tmp_path):
         assert required <= set(record)
         assert record["matches_baseline"] is True
         assert record["num_output_tokens"] == len(record["output_token_ids"]) <= 12
-        assert len(record["acceptance_histogram"]) == 4
+        # a tiny pair's block of 4: suffix steps draft up to 2 x 4 - 1 = 7 tokens, so a step keeps 0..7
+        assert len(record["acceptance_histogram"]) == 8
         assert record["speedup_min"] <= record["speedup"] <= record["speedup_max"]
     assert records[2]["prompt_token_ids"] == [5, 6, 7]
     # the summary: pooled tau (committed tokens / verify steps of all prompts), repeats, threads
-    settings = (summary["method"], summary["sa_threshold"], summary["threads"], summary["repeats"])
-    assert settings == ("dflash-sa", 2, 1, 2)
+    settings = (summary["method"], summary["sa_threshold"], summary["sa_max_drafts"], summary["threads"],
+                summary["repeats"])
+    assert settings == ("dflash-sa", 2, 7, 1, 2)
     committed = sum(sum((a + 1) * n for a, n in enumerate(r["acceptance_histogram"])) for r in records)
     assert summary["steps"] == sum(r["steps"] for r in records)
     assert summary["acceptance_length"] == pytest.approx(committed / summary["steps"])
@@ -112,12 +114,28 @@ def test_spread_wider_than_the_effect_is_a_warning():
                                           "--drafter-gemm-dtype"),
                                          (["--drafter-gemm-dtype", "int8"], "--drafter-gemm-dtype"),
                                          (["--sa-threshold", 3, "--draft-method", "ngram"], "--sa-threshold"),
+                                         (["--sa-max-drafts", 0], "--sa-max-drafts"),
+                                         (["--sa-max-drafts", 2], "--sa-max-drafts"),  # the tiny block drafts 3
+                                         (["--sa-max-drafts", 9, "--draft-method", "dflash"], "--sa-max-drafts"),
+                                         (["--sa-max-drafts", 9, "--backend", "trtllm"], "--backend"),
                                          (["--repeats", 3], "--repeats")])
 def test_bad_speed_and_hybrid_options(tiny_pair, args, option):
     target, drafter = tiny_pair
     result = invoke("--target", target, "--drafter", drafter, "--prompt", "x", "--no-stream", *args)
     assert result.exit_code == 2 and option in result.output and "Traceback" not in result.output, result.output
     assert "tok/s" not in result.output  # nothing ran
+
+
+@pytest.mark.parametrize("args,longest", [([], 7), (["--block-size", 3], 2), (["--sa-max-drafts", 11], 11),
+                                          (["--block-size", 3, "--sa-max-drafts", 5], 5)])
+def test_suffix_drafts_default_to_two_blocks_unless_a_block_is_set(tiny_pair, args, longest):
+    """The tiny drafter's block is 4: suffix drafts run to 2 x 4 - 1 = 7, or to a block asked for."""
+    target, drafter = tiny_pair
+    result = invoke("--target", target, "--drafter", drafter, "--prompt", "abcabcabcabcabc", "--max-tokens", 24,
+                    "--json", "--draft-length", "fixed", *args)
+    assert result.exit_code == 0, result.output
+    (record,), summary = json_lines(result)
+    assert summary["sa_max_drafts"] == longest and len(record["acceptance_histogram"]) == longest + 1
 
 
 @pytest.mark.parametrize("method", ["dflash", "dflash-sa"])

@@ -61,16 +61,18 @@ def test_suffix_index_prefers_a_recent_occurrence():
 
 
 class RecordingHybrid(SuffixDFlashProposer):
-    """Keeps which rows took suffix drafts at every step."""
+    """Keeps which rows took suffix drafts at every step, and how many drafts the step verified."""
 
-    def __init__(self, dflash, threshold):
-        super().__init__(dflash, threshold)
+    def __init__(self, dflash, threshold, max_suffix_drafts=None):
+        super().__init__(dflash, threshold, max_suffix_drafts=max_suffix_drafts)
         self.steps: list[list[bool]] = []
+        self.widths: list[int] = []
 
     def propose(self, *args):
-        out = super().propose(*args)
+        drafts, q = super().propose(*args)
         self.steps.append(list(self.suffix_rows))
-        return out
+        self.widths.append(drafts.shape[1])
+        return drafts, q
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +162,52 @@ def test_a_forced_repeat_takes_suffix_drafts_and_reaches_block_size():
     assert looping.output_token_ids == expected and fresh.output_token_ids == [(1 + i) % 16 for i in range(40)]
     assert looping.stats.accepted_per_step[:-1] == [5] * (looping.stats.steps - 1)
     assert 0 < fresh.stats.suffix_steps < fresh.stats.steps
+
+
+def test_suffix_drafts_run_past_the_drafters_block():
+    """max_suffix_drafts = 11 with a block of 6: a forced repeat's steps keep all 11 suffix drafts (tau 12), a
+    neighbour without a repeat drafts at most the block's 5 drafts on drafter steps, and both stay exact."""
+    target, drafter = counting_pair()
+    prompt = list(range(16)) + list(range(4))
+    params = SamplingParams(max_tokens=40)
+    hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target), threshold=2, max_suffix_drafts=11)
+    assert hybrid.num_drafts == 11
+    (result,) = ReferenceRuntime(target, hybrid).generate([prompt], params)
+    assert result.output_token_ids == [(4 + i) % 16 for i in range(40)]
+    assert result.stats.accepted_per_step[:-1] == [11] * (result.stats.steps - 1)
+    recording = RecordingHybrid(DFlashProposer(drafter, target), threshold=2, max_suffix_drafts=11)
+    looping, fresh = ReferenceRuntime(target, recording).generate([prompt, [0]], params, batch_size=2)
+    assert looping.output_token_ids == result.output_token_ids
+    assert fresh.output_token_ids == [(1 + i) % 16 for i in range(40)]
+    widths = [(all(rows), width) for rows, width in zip(recording.steps, recording.widths)]
+    assert {w for every, w in widths if not every} == {5}  # the drafter ran: its block bounds the step
+    assert max(w for every, w in widths if every) == 11
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_long_suffix_drafts_stay_token_identical(random_pair, batch_size):
+    """Fixed and adaptive (per-source rows of different lengths) with suffix drafts up to 9 past a block of 4."""
+    target, drafter, prompts, expected = random_pair
+    costs = {"neural": [1.0, 1.1, 1.2, 1.3], "suffix": [1.0 + 0.05 * k for k in range(10)]}
+    policy = AdaptiveDraftLength(costs)
+    for proposer in (SuffixDFlashProposer(DFlashProposer(drafter, target), 2, max_suffix_drafts=9),
+                     SuffixDFlashProposer(DFlashProposer(drafter, target), 2, policy=policy, max_suffix_drafts=9)):
+        results = ReferenceRuntime(target, proposer).generate(prompts, SamplingParams(max_tokens=24), batch_size)
+        assert [r.output_token_ids for r in results] == expected
+    assert max(policy.chosen["suffix"]) > 3 >= max(policy.chosen["neural"])
+
+
+def test_the_policy_bounds_each_source_by_its_own_cost_row():
+    policy = AdaptiveDraftLength({"neural": [1.0, 1.0, 1.0], "suffix": [1.0] * 8})  # free drafts: the most
+    assert policy.choose("neural", 7) == 2 and policy.choose("suffix", 7) == 7 and policy.choose("suffix", 5) == 5
+    assert policy.truncate([[0.9] * 7], 7) == 2
+
+
+def test_a_suffix_draft_limit_short_of_the_block_is_refused(random_pair):
+    target, drafter, _, _ = random_pair  # a block of 4: 3 drafts
+    with pytest.raises(InputError, match="max_suffix_drafts"):
+        SuffixDFlashProposer(DFlashProposer(drafter, target), max_suffix_drafts=2)
+    assert SuffixDFlashProposer(DFlashProposer(drafter, target), max_suffix_drafts=3).num_drafts == 3
 
 
 class ScriptedHybrid(SuffixDFlashProposer):
@@ -331,12 +379,15 @@ def test_adaptive_steps_without_drafts_also_sample(random_pair):
     assert outputs[0] == outputs[1] and all(len(o) == 20 for o in outputs[0])
 
 
-def test_measured_step_costs_cover_every_draft_length(random_pair):
+@pytest.mark.parametrize("suffix_most", [None, 6])
+def test_measured_step_costs_cover_every_draft_length(random_pair, suffix_most):
     target, drafter, _, _ = random_pair
-    costs = measure_step_costs(target, lambda: DFlashProposer(drafter, target), batch=2, most=3, context=20, rounds=2)
+    costs = measure_step_costs(target, lambda: DFlashProposer(drafter, target), batch=2, most=3, context=20, rounds=2,
+                               suffix_most=suffix_most)
     assert set(costs) == {"neural", "suffix"}
+    assert len(costs["neural"]) == 4 and len(costs["suffix"]) == (suffix_most or 3) + 1
     for row in costs.values():
-        assert len(row) == 4 and all(c > 0 for c in row) and row == sorted(row)
+        assert all(c > 0 for c in row) and row == sorted(row)
     assert all(n >= s for n, s in zip(costs["neural"][1:], costs["suffix"][1:]))  # suffix steps skip the drafter
 
 

@@ -68,13 +68,14 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 def speculative_counts(target, drafter, params_for_seed, proposer=None) -> tuple[torch.Tensor, list[int], int]:
     """-> (counts of (t2, t3), acceptance histogram, steps whose drafts came from the suffix index)."""
     counts = torch.zeros(VOCAB, VOCAB)
-    histogram, suffix_steps = [0] * 4, 0
+    histogram, suffix_steps = [0] * 16, 0  # wide enough for any block here (zip stops at the request's)
     runtime = ReferenceRuntime(target, proposer or DFlashProposer(drafter, target))
     for seed in range(SEEDS):
         results = runtime.generate([PROMPT] * SAMPLES_PER_SEED, params_for_seed(seed), batch_size=SAMPLES_PER_SEED)
         for result in results:
             counts[result.output_token_ids[1], result.output_token_ids[2]] += 1
-            histogram = [h + n for h, n in zip(histogram, result.stats.accepted_histogram)]
+            histogram[: len(result.stats.accepted_histogram)] = [
+                h + n for h, n in zip(histogram, result.stats.accepted_histogram)]
             suffix_steps += result.stats.suffix_steps
     return counts, histogram, suffix_steps
 
@@ -90,13 +91,15 @@ def test_speculative_samples_follow_target_distribution(pair, temperature, top_p
     assert p_value > ALPHA, f"speculative samples deviate from the target distribution (p = {p_value:.2e})"
 
 
-def test_hybrid_samples_follow_target_distribution(pair):
+@pytest.mark.parametrize("max_suffix_drafts", [None, 7])
+def test_hybrid_samples_follow_target_distribution(pair, max_suffix_drafts):
     """dflash-sa at T=0.7: with threshold 1 a first token that repeats a prompt token takes suffix
-    drafts (one-hot q) and any other takes the drafter's, in the same batch."""
+    drafts (one-hot q) and any other takes the drafter's, in the same batch; also with suffix drafts
+    past the drafter's block of 4."""
     hf, target, drafter = pair
     def params(seed):
         return SamplingParams(max_tokens=3, temperature=0.7, seed=seed)
-    hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target), threshold=1)
+    hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target), threshold=1, max_suffix_drafts=max_suffix_drafts)
     counts, histogram, suffix_steps = speculative_counts(target, drafter, params, hybrid)
     assert 0 < suffix_steps < sum(histogram), "both suffix and drafter steps must be exercised"
     assert histogram[0] > 0 and sum(histogram[1:]) > 0, "both acceptance and rejection must be exercised"

@@ -112,22 +112,23 @@ class AdaptiveDraftLength:
     """Chooses K in [least, most] per step and source: argmax of expected tokens / cost[source][K].
 
     `costs[source][K]` is the measured seconds of a step with K drafts from that source, K = 0 being a
-    plain autoregressive step; see `measure_step_costs`. K = 0 wins where drafting costs more time than
-    its expected tokens save (on a small CPU target a drafter step costs about an AR step, so a draft
+    plain autoregressive step; see `measure_step_costs`. A source's row may be longer than another's
+    (suffix drafts are not bound to the drafter's block: `SuffixDFlashProposer(max_suffix_drafts=...)`).
+    K = 0 wins where drafting costs more time than its expected tokens save (on a small CPU target a drafter step costs about an AR step, so a draft
     must be likely to hold). A step without drafts observes nothing, so after `explore_every`
     such steps in a row the source drafts again (its best K >= 1) to refresh its estimate."""
 
     def __init__(self, costs: dict[str, list[float]], least: int = 0, decay: float = 0.9, prior: float = 0.5,
                  explore_every: int = 8):
         self.costs, self.least, self.explore_every = costs, least, explore_every
-        self.most = min(len(row) for row in costs.values()) - 1
-        self.estimates = {source: AcceptanceEstimate(self.most, decay, prior) for source in costs}
+        self.most = {source: len(row) - 1 for source, row in costs.items()}  # per source
+        self.estimates = {source: AcceptanceEstimate(self.most[source], decay, prior) for source in costs}
         self.calibration = ConfidenceCalibration()
         self.idle = {source: 0 for source in costs}  # steps in a row without drafts, per source
         self.chosen: dict[str, list[int]] = {source: [] for source in costs}  # K of every step, for reports
 
     def choose(self, source: str, most: int) -> int:
-        most = min(most, self.most)
+        most = min(most, self.most[source])
         if most <= self.least:
             self.chosen[source].append(most)
             return most
@@ -151,7 +152,7 @@ class AdaptiveDraftLength:
         confidences (`ConfidenceCalibration`) and each of `suffix_rows` rows of suffix drafts follows
         the suffix source's estimate. Lossless like any K: it depends on the drafter's distributions only,
         never on the target or the tokens drawn. Replaces the step's K in `chosen`."""
-        most = min(most, self.most)
+        most = min(most, self.most["neural"])
         expected = [0.0] * (most + 1)
         rows = [self.calibration.expected_tokens(row[:most]) for row in confidences]
         if suffix_rows:
@@ -184,8 +185,9 @@ def nondecreasing(costs: list[float]) -> list[float]:
 
 @torch.inference_mode()
 def measure_step_costs(target, make_proposer, batch: int, most: int, context: int = 200,
-                       rounds: int = 20) -> dict[str, list[float]]:
-    """Seconds of a step with K = 0..most drafts at `batch` rows and a `context`-token history, per
+                       rounds: int = 20, suffix_most: int | None = None) -> dict[str, list[float]]:
+    """Seconds of a step with K = 0..most drafts (suffix drafts: 0..`suffix_most`, default `most`) at
+    `batch` rows and a `context`-token history, per
     source: "neural" = drafter step (context write of 3 committed tokens + the whole block's forward +
     LM head: a drafter step drafts every slot and `truncate` picks how many to verify) + verify of
     K + 1 tokens; "suffix" = context write + verify (no drafter forward). `make_proposer()`
@@ -198,8 +200,9 @@ def measure_step_costs(target, make_proposer, batch: int, most: int, context: in
     tokens = torch.randint(0, target.vocab_size, (batch, context), generator=generator, device=device)
     positions = torch.arange(context, device=device).expand(batch, -1)
     proposer = make_proposer()
-    committed = 3
-    capacity = context + (most + 1) * rounds * committed + most + 2
+    committed, suffix_most = 3, suffix_most or most
+    widest = max(most, suffix_most)
+    capacity = context + (widest + 1) * rounds * committed + widest + 2
     cache = target.new_cache(batch, capacity)
     _, features = target(tokens, positions, cache, proposer.feature_layers)
     lens = torch.full((batch,), context, device=device)
@@ -220,7 +223,7 @@ def measure_step_costs(target, make_proposer, batch: int, most: int, context: in
         target(tokens[:, : k + 1], context + torch.arange(k + 1, device=device).expand(batch, -1), cache,
                proposer.feature_layers)
 
-    calls = [context_write, lambda: draft(most)] + [lambda k=k: verify(k) for k in range(most + 1)]
+    calls = [context_write, lambda: draft(most)] + [lambda k=k: verify(k) for k in range(widest + 1)]
     write, drafted, *verifies = interleaved_medians(calls, rounds)
-    return {"neural": nondecreasing([verifies[0]] + [v + drafted for v in verifies[1:]]),
-            "suffix": nondecreasing([verifies[0]] + [v + write for v in verifies[1:]])}
+    return {"neural": nondecreasing([verifies[0]] + [v + drafted for v in verifies[1: most + 1]]),
+            "suffix": nondecreasing([verifies[0]] + [v + write for v in verifies[1: suffix_most + 1]])}

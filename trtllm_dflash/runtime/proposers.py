@@ -236,12 +236,23 @@ class NGramProposer:
 DEFAULT_SA_THRESHOLD = 2  # chosen by measurement: docs/benchmarks.md, "Suffix-automaton hybrid drafting"
 
 
+def default_sa_max_drafts(block_size: int) -> int:
+    """dflash-sa's longest suffix draft unless asked otherwise: a verify of two blocks, 2 x block - 1 drafts (15 at
+    the embedded drafter's block of 8, where the adaptive length then verifies mostly 9-10: level to +1% at 128
+    tokens a prompt, 1.08x at 256, where repeats last longer; docs/benchmarks.md, round 14)."""
+    return 2 * block_size - 1
+
+
 class SuffixDFlashProposer:
     """DFlash with suffix-automaton drafting (`--draft-method dflash-sa`): per request and step,
     when the longest suffix of the committed sequence that occurred earlier (prompt or output) is
     at least `threshold` tokens, the tokens that followed that occurrence are the drafts (q is
     one-hot: deterministic), otherwise the DFlash drafter's. The choice depends on committed tokens
     only, so rejection sampling stays exact whichever source a row takes.
+
+    Suffix drafts are not bound to the drafter's block: a step where every row takes them drafts up to
+    `max_suffix_drafts` (default: the block's `num_drafts`), the loop's widest step; a step that runs the
+    drafter verifies at most its block's drafts, the suffix rows' cut to as many.
 
     Each request has a `SuffixIndex` that reads only the tokens committed since the last step.
     When every row takes suffix drafts the drafter's block forward is skipped, but its context K/V
@@ -255,14 +266,18 @@ class SuffixDFlashProposer:
     needs_history = True
 
     def __init__(self, dflash: DFlashProposer, threshold: int = DEFAULT_SA_THRESHOLD,
-                 policy: AdaptiveDraftLength | None = None):
+                 policy: AdaptiveDraftLength | None = None, max_suffix_drafts: int | None = None):
         if threshold < 1:
             raise InputError(f"expected at least 1, got {threshold}.", field="sa_threshold")
+        if max_suffix_drafts is not None and max_suffix_drafts < dflash.num_drafts:
+            raise InputError(f"expected at least the block's {dflash.num_drafts} drafts (suffix drafts run past the "
+                             f"block, never short of it), got {max_suffix_drafts}.", field="max_suffix_drafts")
         if policy is not None and dflash.policy is not None:
             raise ValueError("give the adaptive draft length to the hybrid proposer only, not to its DFlash proposer")
         self.dflash, self.threshold, self.policy = dflash, threshold, policy
         dflash.keep_confidence = policy is not None
-        self.num_drafts, self.feature_layers = dflash.num_drafts, dflash.feature_layers
+        self.num_drafts = max(dflash.num_drafts, max_suffix_drafts or 0)
+        self.feature_layers = dflash.feature_layers
         self.suffix_rows: list[bool] = []
 
     def start(self, features, prompt_lens, capacity):
@@ -293,6 +308,8 @@ class SuffixDFlashProposer:
         if everyone:
             self.dflash.write_pending_context()
             return torch.tensor(matched, dtype=anchors.dtype, device=anchors.device), None
+        num_drafts = min(num_drafts, self.dflash.num_drafts)  # the drafter's block bounds a step it drafts
+        matched = [None if row is None else row[:num_drafts] for row in matched]
         drafts, q = self.dflash.propose(anchors, anchor_positions, history, num_drafts, params, generator)
         if any(self.suffix_rows):
             rows = torch.tensor([i for i, row in enumerate(matched) if row is not None], device=anchors.device)
