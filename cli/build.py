@@ -91,10 +91,13 @@ def choose_profile(profile: str | None, target_dir: Path | None) -> tuple[str, s
 @click.option("--sa-threshold", type=click.IntRange(min=1),
               help="Suffix-match length for the reference runtime's dflash-sa drafting (stored in manifest.json; "
                    "TensorRT-LLM ignores it).")
+@click.option("--sa-max-drafts", type=click.IntRange(min=1),
+              help="The reference runtime's longest dflash-sa suffix draft, at least max_draft_len (stored in "
+                   "manifest.json; TensorRT-LLM ignores it) [default: max_draft_len].")
 @clean_errors
 def main(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_cache_dtype, max_draft_len,
          max_seq_len, tp, ep, triton_repo, check, force, quiet, trt_drafter, schedule_from, allow_foreign_schedule,
-         input_amax_file, calibration_prompts_file, sa_threshold):
+         input_amax_file, calibration_prompts_file, sa_threshold, sa_max_drafts):
     """Build an engine directory: checkpoints, llm_api_options.yaml, a Triton repository and a
     manifest with the sha256 of every file. Interrupted builds resume where they stopped."""
     from trtllm_dflash.engine.build import build_engine
@@ -123,7 +126,8 @@ def main(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_
                            max_draft_len, max_seq_len, tp, ep, triton_repo, force, schedule, trt_drafter,
                            input_amax_file, schedule_file=schedule_from,
                            calibration_prompts_file=calibration_prompts_file, schedule_measured_on=measured_on,
-                           allow_foreign_schedule=allow_foreign_schedule, sa_threshold=sa_threshold)
+                           allow_foreign_schedule=allow_foreign_schedule, sa_threshold=sa_threshold,
+                           sa_max_drafts=sa_max_drafts)
     if profile_note:
         click.echo(profile_note)
     if check:

@@ -152,7 +152,8 @@ def resolve_draft_method(draft_method: str | None, sa_threshold: int | None, sa_
     if sa_max_drafts is not None and sa_max_drafts < drafts:
         raise InputError(f"expected at least the verify block's {drafts} drafts (suffix drafts run past the block, "
                          f"never short of it), got {sa_max_drafts}.", field="--sa-max-drafts")
-    longest = sa_max_drafts or (drafts if block_size else default_sa_max_drafts(drafter_block))
+    longest = (sa_max_drafts or (engine.sa_max_drafts if engine is not None else None)
+               or (drafts if block_size else default_sa_max_drafts(drafter_block)))
     return DraftMethod(method, threshold, longest)
 
 
@@ -333,8 +334,8 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
               help="dflash-sa: the most drafts a suffix match proposes, at least the block's; suffix drafts are not "
                    "bound to the drafter's block (a step that runs the drafter verifies at most its block) [default: "
                    "2 x the drafter's "
-                   "block - 1, 15 for the embedded pair; with --block-size or an engine's max_draft_len, that "
-                   "block's drafts].")
+                   "block - 1, 15 for the embedded pair; the engine's (dflash-build --sa-max-drafts), else with "
+                   "--block-size or an engine's max_draft_len, that block's drafts].")
 @click.option("--draft-length", type=click.Choice(["adaptive", "fixed"]),
               help="adaptive: per step, the number of drafts (0 = an autoregressive step) that maximises expected tokens "
                    "per second of step, from step costs measured at start-up (seconds) and the acceptance seen so far; a "

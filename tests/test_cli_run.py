@@ -459,6 +459,37 @@ def test_bad_prompt_ids_devices_and_lengths_are_refused_before_loading(tiny_pair
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, args
 
 
+def test_sa_max_drafts_lives_in_the_manifest_and_reaches_the_runtimes(tiny_pair, tmp_path):
+    """An engine's longest suffix draft: dflash-run and the engine's reference runtime (the Triton model's) take it;
+    without it both stay within the engine's verify block; below max_draft_len the build refuses it."""
+    from trtllm_dflash.cli.build import main as build_main
+    from trtllm_dflash.engine.load import reference_runtime
+    from trtllm_dflash.engine.manifest import open_engine
+    from trtllm_dflash.runtime.trtllm import engine_manifest, ignored_engine_settings
+
+    target, drafter = tiny_pair  # a block of 4: max_draft_len 3
+    plain = build_engine(tiny_pair, tmp_path / "plain")
+    longer = build_engine(tiny_pair, tmp_path / "longer", "--sa-max-drafts", 9)
+    assert open_engine(plain).sa_max_drafts is None and open_engine(longer).sa_max_drafts == 9
+    assert "sa_max_drafts" not in (longer / "llm_api_options.yaml").read_text()
+    assert any("sa_max_drafts (9)" in note for note in ignored_engine_settings(engine_manifest(longer)))
+    for engine, args, longest in ((plain, [], 3), (longer, [], 9), (longer, ["--sa-max-drafts", 5], 5)):
+        result = invoke(engine, "--prompt", "abcabcabcabc", "--max-tokens", 6, "--json", *args)
+        assert result.exit_code == 0, result.output
+        assert json_lines(result)[1]["sa_max_drafts"] == longest
+    for engine, longest in ((plain, 3), (longer, 9)):
+        runtime = reference_runtime(open_engine(engine), torch.device("cpu"), torch.float32)
+        assert runtime.proposer.num_drafts == longest
+    bad = CliRunner().invoke(build_main, ["--target", str(target), "--drafter", str(drafter), "-o",
+                                          str(tmp_path / "short"), "--profile", "cpu-reference", "--sa-max-drafts", "2"])
+    assert bad.exit_code == 2 and "--sa-max-drafts" in bad.output and "max_draft_len (3)" in bad.output
+    assert not (tmp_path / "short").exists()
+    manifest = longer / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"sa_max_drafts": 9', '"sa_max_drafts": 0'))
+    result = invoke(longer, "--prompt", "abc")
+    assert result.exit_code == 2 and "runtime.sa_max_drafts" in result.output and "Traceback" not in result.output
+
+
 def test_sa_threshold_lives_in_the_manifest_not_the_trtllm_options(tiny_pair, tmp_path):
     from trtllm_dflash.cli.build import main as build_main
     from trtllm_dflash.engine.manifest import open_engine
@@ -477,6 +508,7 @@ def test_sa_threshold_lives_in_the_manifest_not_the_trtllm_options(tiny_pair, tm
     bad = CliRunner().invoke(build_main, ["--target", str(target), "--drafter", str(drafter), "-o",
                                           str(tmp_path / "other"), "--sa-threshold", "0"])
     assert bad.exit_code == 2 and "--sa-threshold" in bad.output
+    assert not (tmp_path / "other").exists()
     result = invoke(engine, "--prompt", "abc", "--backend", "trtllm", "--draft-method", "dflash-sa")
     assert result.exit_code == 2 and "reference backend only" in result.output and "Traceback" not in result.output
     manifest = engine / "manifest.json"

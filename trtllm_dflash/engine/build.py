@@ -353,8 +353,15 @@ def manifest_content(plan: BuildPlan, sources: dict[str, Any]) -> dict[str, Any]
         "schedule": None if plan.options.draft_len_schedule is None else {
             "file": str(plan.options.schedule_file), "measured_on": plan.options.schedule_measured_on,
             "foreign_allowed": plan.options.allow_foreign_schedule},
-        **({"runtime": {"sa_threshold": plan.options.sa_threshold}} if plan.options.sa_threshold else {}),
+        **runtime_section(plan.options),
     }
+
+
+def runtime_section(options: BuildOptions) -> dict:
+    """The manifest's "runtime" section: the reference runtime's own settings (dflash-sa's), absent when none is set."""
+    settings = {name: value for name, value in (("sa_threshold", options.sa_threshold),
+                                                ("sa_max_drafts", options.sa_max_drafts)) if value is not None}
+    return {"runtime": settings} if settings else {}
 
 
 def publish_triton_repo(repo: Path, engine_root: Path, options: LlmApiOptions) -> Path:

@@ -31,7 +31,7 @@ def engine_speculation(engine: Engine) -> tuple[int | None, dict[int, int] | Non
 
 def reference_runtime(engine: Engine, device: torch.device, dtype: torch.dtype,
                       with_drafter: bool = True) -> ReferenceRuntime:
-    """DFlash with suffix-automaton drafts (dflash-sa, the engine's threshold) and the engine's
+    """DFlash with suffix-automaton drafts (dflash-sa, the engine's threshold and longest suffix draft) and the engine's
     max_draft_len and schedule (or the autoregressive baseline); the drafter's GEMMs and the experts'
     storage as `dflash-run`'s --drafter-gemm-dtype auto and --expert-dtype auto (timed at batch 1)."""
     target = GptOssTarget(load_hf_gpt_oss(engine.target_dir, device, dtype))
@@ -41,7 +41,8 @@ def reference_runtime(engine: Engine, device: torch.device, dtype: torch.dtype,
         return ReferenceRuntime(target, None)
     dflash = DFlashProposer(load_drafter(engine.drafter_dir, device, dtype), target, block,
                             matmul_dtype=drafter_gemm_dtype("auto", dtype, device))
-    proposer = SuffixDFlashProposer(dflash, engine.sa_threshold or DEFAULT_SA_THRESHOLD)
+    proposer = SuffixDFlashProposer(dflash, engine.sa_threshold or DEFAULT_SA_THRESHOLD,
+                                    max_suffix_drafts=engine.sa_max_drafts)
     return ReferenceRuntime(target, proposer, draft_len_schedule=schedule)
 
 

@@ -89,14 +89,23 @@ class Engine:
     def block_size(self) -> int:
         return int(self.manifest["drafter"]["block_size"])
 
+    def runtime_setting(self, name: str) -> int | None:
+        """A positive integer of the manifest's "runtime" section (the reference runtime's own settings); None: not set."""
+        value = self.manifest.get("runtime", {}).get(name)
+        if value is not None and not (type(value) is int and value >= 1):
+            raise InputError(f"expected an integer >= 1, got {value!r}.", path=self.root / MANIFEST,
+                             field=f"runtime.{name}")
+        return value
+
     @property
     def sa_threshold(self) -> int | None:
         """The reference runtime's dflash-sa threshold (`dflash-build --sa-threshold`); None: not set."""
-        value = self.manifest.get("runtime", {}).get("sa_threshold")
-        if value is not None and not (type(value) is int and value >= 1):
-            raise InputError(f"expected an integer >= 1, got {value!r}.", path=self.root / MANIFEST,
-                             field="runtime.sa_threshold")
-        return value
+        return self.runtime_setting("sa_threshold")
+
+    @property
+    def sa_max_drafts(self) -> int | None:
+        """dflash-sa's longest suffix draft (`dflash-build --sa-max-drafts`); None: not set (the verify block's)."""
+        return self.runtime_setting("sa_max_drafts")
 
     def llm_api_options(self) -> LlmApiOptions:
         """The options with `speculative_model` resolved against the engine root (it is stored
@@ -136,7 +145,7 @@ def open_engine(path: str | Path, verify_checksums: bool = False) -> Engine:
         check_file(root, name, record, verify_checksums)
     engine = Engine(root, root / TARGET, root / DRAFTER, root / OPTIONS_FILE, manifest)
     engine.llm_api_options()  # parsed and validated here, so every command refuses a damaged options file
-    engine.sa_threshold  # read here too, so a damaged runtime section is refused on open
+    engine.sa_threshold, engine.sa_max_drafts  # read here too, so a damaged runtime section is refused on open
     return engine
 
 

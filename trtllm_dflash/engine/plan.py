@@ -53,6 +53,7 @@ class BuildOptions:
     # the reference runtime's dflash-sa suffix-match threshold: our own metadata in manifest.json
     # ("runtime"), never llm_api_options.yaml (TensorRT-LLM's DFlash config forbids unknown keys)
     sa_threshold: int | None = None
+    sa_max_drafts: int | None = None  # dflash-sa's longest suffix draft, likewise ("runtime"); >= max_draft_len
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,9 @@ def plan_build(options: BuildOptions) -> BuildPlan:
     spec = llm_options.speculative_config
     checks.check_draft_len(spec.max_draft_len, pair, "--max-draft-len" if options.schedule_file is None
                            else f"--schedule-from {options.schedule_file}")
+    if options.sa_max_drafts is not None and options.sa_max_drafts < spec.max_draft_len:
+        raise InputError(f"expected at least max_draft_len ({spec.max_draft_len}): suffix drafts run past the "
+                         f"verify block, never short of it; got {options.sa_max_drafts}.", field="--sa-max-drafts")
     checks.check_seq_len(llm_options.max_seq_len, pair)
     checks.check_tokenizers(pair)
     checks.check_quant(options.quant, profile, "--quant")

@@ -113,13 +113,12 @@ def check_probes(features: Sequence[str]) -> None:
 
 def ignored_engine_settings(manifest: Mapping) -> list[str]:
     """Notes for the reference-runtime settings an engine's manifest carries ("runtime" section):
-    TensorRT-LLM's DFlash has no suffix-automaton drafting, so `sa_threshold` is ignored here."""
+    TensorRT-LLM's DFlash has no suffix-automaton drafting, so `sa_threshold` and `sa_max_drafts` are ignored here."""
     runtime = manifest.get("runtime")
-    threshold = runtime.get("sa_threshold") if isinstance(runtime, dict) else None
-    if threshold is None:
-        return []
-    return [f"the engine's sa_threshold ({threshold}) is a setting of the reference runtime's dflash-sa drafting; "
-            "the trtllm backend runs DFlash without suffix-automaton drafts and ignores it."]
+    runtime = runtime if isinstance(runtime, dict) else {}
+    return [f"the engine's {name} ({runtime[name]}) is a setting of the reference runtime's dflash-sa drafting; "
+            "the trtllm backend runs DFlash without suffix-automaton drafts and ignores it."
+            for name in ("sa_threshold", "sa_max_drafts") if runtime.get(name) is not None]
 
 
 # --------------------------------------------------------------------------------------------
