@@ -10,19 +10,8 @@ import torch
 from click.testing import CliRunner
 
 from cpu_marks import needs_fbgemm
-from trtllm_dflash.cli.run import main as run_main
+from run_cli import invoke, json_lines
 from trtllm_dflash.models.linear import fbgemm_fp16, native_bf16
-
-
-def invoke(*args):
-    return CliRunner().invoke(run_main, [str(a) for a in args])
-
-
-def json_lines(result) -> tuple[list[dict], dict]:
-    """--json output -> (per-prompt records, the summary object that comes last)."""
-    *records, summary = [json.loads(line) for line in result.stdout.splitlines()]
-    assert summary["summary"] is True and not any("summary" in r for r in records)
-    return records, summary
 
 
 def test_json_output_and_baseline(tiny_pair, tmp_path):
@@ -345,52 +334,12 @@ def test_ctrl_c_prints_statistics_and_exits_130(tiny_pair):
     assert "acceptance length" in out
 
 
-def build_engine(tiny_pair, engine, *args):
-    """dflash-build of the tiny pair into `engine`, which it returns."""
-    from trtllm_dflash.cli.build import main as build_main
-
-    target, drafter = tiny_pair
-    built = CliRunner().invoke(build_main, ["--target", str(target), "--drafter", str(drafter), "-o", str(engine),
-                                            "--profile", "cpu-reference", "--quiet", *map(str, args)])
-    assert built.exit_code == 0, built.output
-    return engine
-
-
-def test_run_engine_directory_and_verify(tiny_pair, tmp_path):
-    target, _ = tiny_pair
-    engine = build_engine(tiny_pair, tmp_path / "engine", "--max-draft-len", 2)
-    result = invoke(engine, "--prompt", "abc", "--max-tokens", 8, "--json", "--baseline", "--verify")
-    assert result.exit_code == 0, result.output
-    (record,), _ = json_lines(result)
-    assert record["matches_baseline"] and len(record["acceptance_histogram"]) == 3  # max_draft_len 2 -> block 3
-    config = engine / "target" / "config.json"
-    config.write_text(config.read_text().replace('"hidden_size": 64', '"hidden_size": 65'))  # same size
-    result = invoke(engine, "--prompt", "abc", "--verify")
-    assert result.exit_code == 2 and "config.json" in result.output and "Traceback" not in result.output
-    assert invoke(engine, "--target", target, "--prompt", "x").exit_code == 2
-
-
 def test_no_arguments_without_embedded_pair_is_a_clear_error(monkeypatch, tmp_path):
     import trtllm_dflash.embedded as embedded
 
     monkeypatch.setattr(embedded, "TARGET_DIR", tmp_path / "missing")
     result = invoke()
     assert result.exit_code == 2 and "embedded default pair" in result.output
-
-
-def test_schedule_from_bench_reaches_the_engine_and_the_run(tiny_pair, tmp_path):
-    import yaml
-
-    bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"machine": "2-core x86_64 CPU", "device": "cpu",
-                                 "schedule": {"max_draft_len": 3, "draft_len_schedule": {"1": 3, "2": 1}}}))
-    engine = build_engine(tiny_pair, tmp_path / "engine", "--schedule-from", bench)
-    spec = yaml.safe_load((engine / "llm_api_options.yaml").read_text())["speculative_config"]
-    assert spec["draft_len_schedule"] == {1: 3, 2: 1} and spec["max_draft_len"] == 3
-    result = invoke(engine, "--prompt", "abc", "--prompt", "xyz", "--prompt", "q", "--batch-size", 3,
-                    "--max-tokens", 10, "--json", "--baseline")
-    assert result.exit_code == 0, result.output
-    assert all(record["matches_baseline"] for record in json_lines(result)[0])
 
 
 def test_unusable_prompts_and_output_paths_fail_before_the_run(tiny_pair, tmp_path):
@@ -457,64 +406,6 @@ def test_bad_prompt_ids_devices_and_lengths_are_refused_before_loading(tiny_pair
     ]:
         result = invoke("--target", target, "--drafter", drafter, "--prompt", "ab", "--no-stream", *args)
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, args
-
-
-def test_sa_max_drafts_lives_in_the_manifest_and_reaches_the_runtimes(tiny_pair, tmp_path):
-    """An engine's longest suffix draft: dflash-run and the engine's reference runtime (the Triton model's) take it;
-    without it both stay within the engine's verify block; below max_draft_len the build refuses it."""
-    from trtllm_dflash.cli.build import main as build_main
-    from trtllm_dflash.engine.load import reference_runtime
-    from trtllm_dflash.engine.manifest import open_engine
-    from trtllm_dflash.runtime.trtllm import engine_manifest, ignored_engine_settings
-
-    target, drafter = tiny_pair  # a block of 4: max_draft_len 3
-    plain = build_engine(tiny_pair, tmp_path / "plain")
-    longer = build_engine(tiny_pair, tmp_path / "longer", "--sa-max-drafts", 9)
-    assert open_engine(plain).sa_max_drafts is None and open_engine(longer).sa_max_drafts == 9
-    assert "sa_max_drafts" not in (longer / "llm_api_options.yaml").read_text()
-    assert any("sa_max_drafts (9)" in note for note in ignored_engine_settings(engine_manifest(longer)))
-    for engine, args, longest in ((plain, [], 3), (longer, [], 9), (longer, ["--sa-max-drafts", 5], 5)):
-        result = invoke(engine, "--prompt", "abcabcabcabc", "--max-tokens", 6, "--json", *args)
-        assert result.exit_code == 0, result.output
-        assert json_lines(result)[1]["sa_max_drafts"] == longest
-    for engine, longest in ((plain, 3), (longer, 9)):
-        runtime = reference_runtime(open_engine(engine), torch.device("cpu"), torch.float32)
-        assert runtime.proposer.num_drafts == longest
-    bad = CliRunner().invoke(build_main, ["--target", str(target), "--drafter", str(drafter), "-o",
-                                          str(tmp_path / "short"), "--profile", "cpu-reference", "--sa-max-drafts", "2"])
-    assert bad.exit_code == 2 and "--sa-max-drafts" in bad.output and "max_draft_len (3)" in bad.output
-    assert not (tmp_path / "short").exists()
-    manifest = longer / "manifest.json"
-    manifest.write_text(manifest.read_text().replace('"sa_max_drafts": 9', '"sa_max_drafts": 0'))
-    result = invoke(longer, "--prompt", "abc")
-    assert result.exit_code == 2 and "runtime.sa_max_drafts" in result.output and "Traceback" not in result.output
-
-
-def test_sa_threshold_lives_in_the_manifest_not_the_trtllm_options(tiny_pair, tmp_path):
-    from trtllm_dflash.cli.build import main as build_main
-    from trtllm_dflash.engine.manifest import open_engine
-    from trtllm_dflash.runtime.trtllm import engine_manifest, ignored_engine_settings
-
-    target, drafter = tiny_pair
-    engine = build_engine(tiny_pair, tmp_path / "engine", "--sa-threshold", 3)
-    assert open_engine(engine).sa_threshold == 3
-    assert "sa_threshold" not in (engine / "llm_api_options.yaml").read_text()  # TensorRT-LLM forbids unknown keys
-    (note,) = ignored_engine_settings(engine_manifest(engine))
-    assert "sa_threshold (3)" in note and "ignores it" in note
-    for args, threshold in (([], 3), (["--sa-threshold", 5], 5)):
-        result = invoke(engine, "--prompt", "abc", "--max-tokens", 6, "--json", *args)
-        assert result.exit_code == 0, result.output
-        assert json_lines(result)[1]["sa_threshold"] == threshold
-    bad = CliRunner().invoke(build_main, ["--target", str(target), "--drafter", str(drafter), "-o",
-                                          str(tmp_path / "other"), "--sa-threshold", "0"])
-    assert bad.exit_code == 2 and "--sa-threshold" in bad.output
-    assert not (tmp_path / "other").exists()
-    result = invoke(engine, "--prompt", "abc", "--backend", "trtllm", "--draft-method", "dflash-sa")
-    assert result.exit_code == 2 and "reference backend only" in result.output and "Traceback" not in result.output
-    manifest = engine / "manifest.json"
-    manifest.write_text(manifest.read_text().replace('"sa_threshold": 3', '"sa_threshold": "3"'))
-    result = invoke(engine, "--prompt", "abc")
-    assert result.exit_code == 2 and "runtime.sa_threshold" in result.output and "Traceback" not in result.output
 
 
 def test_expert_dtype_is_reported_and_refused_where_it_cannot_apply(tiny_pair):
