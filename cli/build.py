@@ -93,7 +93,7 @@ def choose_profile(profile: str | None, target_dir: Path | None) -> tuple[str, s
                    "TensorRT-LLM ignores it).")
 @click.option("--sa-max-drafts", type=click.IntRange(min=1),
               help="The reference runtime's longest dflash-sa suffix draft, at least max_draft_len (stored in "
-                   "manifest.json; TensorRT-LLM ignores it) [default: max_draft_len].")
+                   "manifest.json; TensorRT-LLM ignores it) [default at run time: 2 x (max_draft_len + 1) - 1].")
 @clean_errors
 def main(target_dir, drafter_dir, output_dir, profile, quant, drafter_quant, kv_cache_dtype, max_draft_len,
          max_seq_len, tp, ep, triton_repo, check, force, quiet, trt_drafter, schedule_from, allow_foreign_schedule,

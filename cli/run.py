@@ -135,14 +135,14 @@ def resolve_draft_method(draft_method: str | None, sa_threshold: int | None, sa_
                          backend: str, engine, drafter_block: int, block_size: int | None) -> DraftMethod:
     """The method and its suffix settings. Default: dflash-sa on the reference runtime (the fastest there,
     docs/benchmarks.md), DFlash on TensorRT-LLM (which has no suffix drafting). dflash-sa's suffix drafts
-    run up to `default_sa_max_drafts` of the drafter's block by default, or where a verify block was set
-    (--block-size, an engine's max_draft_len) up to that block's drafts: a width asked for is kept."""
+    run up to the engine's `sa_max_drafts`, else `default_sa_max_drafts` of the verify block (`block_size`:
+    --block-size or the engine's max_draft_len + 1; else the drafter's block)."""
     from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD, default_sa_max_drafts
 
     if backend == "trtllm":
         if draft_method in ("ngram", "dflash-sa") or sa_threshold is not None or sa_max_drafts is not None:
-            raise InputError("--draft-method ngram / dflash-sa, --sa-threshold and --sa-max-drafts run on the reference "
-                             "backend only; the trtllm backend runs DFlash.", field="--backend")
+            raise InputError("--draft-method ngram / dflash-sa, --sa-threshold and --sa-max-drafts run on the "
+                             "reference backend only; the trtllm backend runs DFlash.", field="--backend")
         return DraftMethod("dflash")
     method = draft_method or "dflash-sa"
     if method != "dflash-sa":
@@ -153,7 +153,7 @@ def resolve_draft_method(draft_method: str | None, sa_threshold: int | None, sa_
         raise InputError(f"expected at least the verify block's {drafts} drafts (suffix drafts run past the block, "
                          f"never short of it), got {sa_max_drafts}.", field="--sa-max-drafts")
     longest = (sa_max_drafts or (engine.sa_max_drafts if engine is not None else None)
-               or (drafts if block_size else default_sa_max_drafts(drafter_block)))
+               or default_sa_max_drafts(block_size or drafter_block))
     return DraftMethod(method, threshold, longest)
 
 
@@ -261,9 +261,10 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
         gemm_dtype = matmul_dtype or torch_dtype
         policy = (adaptive_policy(target, drafter, block_size, batch_size, matmul_dtype, draft.sa_max_drafts)
                   if draft_length == "adaptive" else None)
-        dflash = DFlashProposer(drafter, target, block_size, matmul_dtype=matmul_dtype, policy=None if hybrid else policy)
-        proposer = (SuffixDFlashProposer(dflash, draft.sa_threshold, policy=policy, max_suffix_drafts=draft.sa_max_drafts)
-                    if hybrid else dflash)
+        dflash = DFlashProposer(drafter, target, block_size, matmul_dtype=matmul_dtype,
+                                policy=None if hybrid else policy)
+        proposer = (SuffixDFlashProposer(dflash, draft.sa_threshold, policy=policy,
+                                         max_suffix_drafts=draft.sa_max_drafts) if hybrid else dflash)
     runtimes = [ReferenceRuntime(target, proposer, draft_len_schedule=schedule)]
     if with_baseline:
         runtimes.append(ReferenceRuntime(target, None))
@@ -333,9 +334,8 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
 @click.option("--sa-max-drafts", type=click.IntRange(min=1),
               help="dflash-sa: the most drafts a suffix match proposes, at least the block's; suffix drafts are not "
                    "bound to the drafter's block (a step that runs the drafter verifies at most its block) [default: "
-                   "2 x the drafter's "
-                   "block - 1, 15 for the embedded pair; the engine's (dflash-build --sa-max-drafts), else with "
-                   "--block-size or an engine's max_draft_len, that block's drafts].")
+                   "the engine's (dflash-build --sa-max-drafts), else 2 x the verify block - 1: 15 for the "
+                   "embedded pair's block of 8].")
 @click.option("--draft-length", type=click.Choice(["adaptive", "fixed"]),
               help="adaptive: per step, the number of drafts (0 = an autoregressive step) that maximises expected tokens "
                    "per second of step, from step costs measured at start-up (seconds) and the acceptance seen so far; a "

@@ -115,10 +115,10 @@ def test_bad_speed_and_hybrid_options(tiny_pair, args, option):
     assert "tok/s" not in result.output  # nothing ran
 
 
-@pytest.mark.parametrize("args,longest", [([], 7), (["--block-size", 3], 2), (["--sa-max-drafts", 11], 11),
-                                          (["--block-size", 3, "--sa-max-drafts", 5], 5)])
-def test_suffix_drafts_default_to_two_blocks_unless_a_block_is_set(tiny_pair, args, longest):
-    """The tiny drafter's block is 4: suffix drafts run to 2 x 4 - 1 = 7, or to a block asked for."""
+@pytest.mark.parametrize("args,longest", [([], 7), (["--block-size", 3], 5), (["--sa-max-drafts", 11], 11),
+                                          (["--block-size", 3, "--sa-max-drafts", 2], 2)])
+def test_suffix_drafts_default_to_two_verify_blocks(tiny_pair, args, longest):
+    """The tiny drafter's block is 4: suffix drafts run to 2 x 4 - 1 = 7, at --block-size 3 to 5, or as asked."""
     target, drafter = tiny_pair
     result = invoke("--target", target, "--drafter", drafter, "--prompt", "abcabcabcabcabc", "--max-tokens", 24,
                     "--json", "--draft-length", "fixed", *args)

@@ -17,7 +17,8 @@ def test_run_engine_directory_and_verify(tiny_pair, tmp_path):
     result = invoke(engine, "--prompt", "abc", "--max-tokens", 8, "--json", "--baseline", "--verify")
     assert result.exit_code == 0, result.output
     (record,), _ = json_lines(result)
-    assert record["matches_baseline"] and len(record["acceptance_histogram"]) == 3  # max_draft_len 2 -> block 3
+    # max_draft_len 2: a verify block of 3, suffix drafts up to 2 x 3 - 1 = 5 (the histogram counts 0..5 kept)
+    assert record["matches_baseline"] and len(record["acceptance_histogram"]) == 6
     config = engine / "target" / "config.json"
     config.write_text(config.read_text().replace('"hidden_size": 64', '"hidden_size": 65'))  # same size
     result = invoke(engine, "--prompt", "abc", "--verify")
@@ -40,7 +41,7 @@ def test_schedule_from_bench_reaches_the_engine_and_the_run(tiny_pair, tmp_path)
 
 def test_sa_max_drafts_lives_in_the_manifest_and_reaches_the_runtimes(tiny_pair, tmp_path):
     """An engine's longest suffix draft: dflash-run and the engine's reference runtime (the Triton model's) take it;
-    without it both stay within the engine's verify block; below max_draft_len the build refuses it."""
+    without it both default to 2 x the verify block - 1; below max_draft_len the build refuses it."""
     from trtllm_dflash.cli.build import main as build_main
     from trtllm_dflash.engine.load import reference_runtime
     from trtllm_dflash.engine.manifest import open_engine
@@ -52,15 +53,16 @@ def test_sa_max_drafts_lives_in_the_manifest_and_reaches_the_runtimes(tiny_pair,
     assert open_engine(plain).sa_max_drafts is None and open_engine(longer).sa_max_drafts == 9
     assert "sa_max_drafts" not in (longer / "llm_api_options.yaml").read_text()
     assert any("sa_max_drafts (9)" in note for note in ignored_engine_settings(engine_manifest(longer)))
-    for engine, args, longest in ((plain, [], 3), (longer, [], 9), (longer, ["--sa-max-drafts", 5], 5)):
+    for engine, args, longest in ((plain, [], 7), (longer, [], 9), (longer, ["--sa-max-drafts", 5], 5)):
         result = invoke(engine, "--prompt", "abcabcabcabc", "--max-tokens", 6, "--json", *args)
         assert result.exit_code == 0, result.output
         assert json_lines(result)[1]["sa_max_drafts"] == longest
-    for engine, longest in ((plain, 3), (longer, 9)):
+    for engine, longest in ((plain, 7), (longer, 9)):
         runtime = reference_runtime(open_engine(engine), torch.device("cpu"), torch.float32)
         assert runtime.proposer.num_drafts == longest
     bad = CliRunner().invoke(build_main, ["--target", str(target), "--drafter", str(drafter), "-o",
-                                          str(tmp_path / "short"), "--profile", "cpu-reference", "--sa-max-drafts", "2"])
+                                          str(tmp_path / "short"), "--profile", "cpu-reference",
+                                          "--sa-max-drafts", "2"])
     assert bad.exit_code == 2 and "--sa-max-drafts" in bad.output and "max_draft_len (3)" in bad.output
     assert not (tmp_path / "short").exists()
     manifest = longer / "manifest.json"

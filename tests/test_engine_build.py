@@ -71,7 +71,8 @@ def test_engine_runs_losslessly(engine):
     dflash = runtime.generate(PROMPTS, params, batch_size=2)
     baseline = ReferenceRuntime(runtime.target, None).generate(PROMPTS, params, batch_size=2)
     assert [r.output_token_ids for r in dflash] == [r.output_token_ids for r in baseline]
-    assert all(r.stats.block_size == 4 for r in dflash)
+    # the engine's verify block of 4 bounds the drafter's steps; suffix steps run to 2 x 4 - 1 = 7 drafts
+    assert runtime.proposer.dflash.num_drafts == 3 and all(r.stats.block_size == 8 for r in dflash)
 
 
 def test_quantized_engine_runs_losslessly(tiny_pair, tmp_path):
@@ -85,7 +86,7 @@ def test_quantized_engine_runs_losslessly(tiny_pair, tmp_path):
     ours = runtime.generate(PROMPTS[:2], params)
     base = ReferenceRuntime(runtime.target, None).generate(PROMPTS[:2], params)
     assert [r.output_token_ids for r in ours] == [r.output_token_ids for r in base]
-    assert all(r.stats.block_size == 3 for r in ours)
+    assert runtime.proposer.dflash.num_drafts == 2 and all(r.stats.block_size == 6 for r in ours)
 
 
 def test_every_file_is_guarded(engine, tmp_path):

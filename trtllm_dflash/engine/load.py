@@ -13,7 +13,7 @@ from ..models.drafter import load_drafter
 from ..models.linear import drafter_gemm_dtype
 from ..models.target import GptOssTarget
 from ..runtime.interface import Runtime, choose_backend
-from ..runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer, SuffixDFlashProposer
+from ..runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer, SuffixDFlashProposer, default_sa_max_drafts
 from ..runtime.reference import ReferenceRuntime
 from ..runtime.tuning import choose_expert_storage
 from ..errors import InputError
@@ -31,7 +31,8 @@ def engine_speculation(engine: Engine) -> tuple[int | None, dict[int, int] | Non
 
 def reference_runtime(engine: Engine, device: torch.device, dtype: torch.dtype,
                       with_drafter: bool = True) -> ReferenceRuntime:
-    """DFlash with suffix-automaton drafts (dflash-sa, the engine's threshold and longest suffix draft) and the engine's
+    """DFlash with suffix-automaton drafts (dflash-sa: the engine's threshold and longest suffix draft, by default
+    `default_sa_max_drafts` of its verify block) and the engine's
     max_draft_len and schedule (or the autoregressive baseline); the drafter's GEMMs and the experts'
     storage as `dflash-run`'s --drafter-gemm-dtype auto and --expert-dtype auto (timed at batch 1)."""
     target = GptOssTarget(load_hf_gpt_oss(engine.target_dir, device, dtype))
@@ -41,8 +42,8 @@ def reference_runtime(engine: Engine, device: torch.device, dtype: torch.dtype,
         return ReferenceRuntime(target, None)
     dflash = DFlashProposer(load_drafter(engine.drafter_dir, device, dtype), target, block,
                             matmul_dtype=drafter_gemm_dtype("auto", dtype, device))
-    proposer = SuffixDFlashProposer(dflash, engine.sa_threshold or DEFAULT_SA_THRESHOLD,
-                                    max_suffix_drafts=engine.sa_max_drafts)
+    longest = engine.sa_max_drafts or default_sa_max_drafts(dflash.block_size)
+    proposer = SuffixDFlashProposer(dflash, engine.sa_threshold or DEFAULT_SA_THRESHOLD, max_suffix_drafts=longest)
     return ReferenceRuntime(target, proposer, draft_len_schedule=schedule)
 
 

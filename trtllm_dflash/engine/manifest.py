@@ -104,7 +104,7 @@ class Engine:
 
     @property
     def sa_max_drafts(self) -> int | None:
-        """dflash-sa's longest suffix draft (`dflash-build --sa-max-drafts`); None: not set (the verify block's)."""
+        """dflash-sa's longest suffix draft (`dflash-build --sa-max-drafts`); None: not set (the runtime's default)."""
         return self.runtime_setting("sa_max_drafts")
 
     def llm_api_options(self) -> LlmApiOptions:

@@ -114,9 +114,10 @@ class AdaptiveDraftLength:
     `costs[source][K]` is the measured seconds of a step with K drafts from that source, K = 0 being a
     plain autoregressive step; see `measure_step_costs`. A source's row may be longer than another's
     (suffix drafts are not bound to the drafter's block: `SuffixDFlashProposer(max_suffix_drafts=...)`).
-    K = 0 wins where drafting costs more time than its expected tokens save (on a small CPU target a drafter step costs about an AR step, so a draft
-    must be likely to hold). A step without drafts observes nothing, so after `explore_every`
-    such steps in a row the source drafts again (its best K >= 1) to refresh its estimate."""
+    K = 0 wins where drafting costs more time than its expected tokens save (on a small CPU target a drafter
+    step costs about an AR step, so a draft must be likely to hold). A step without drafts observes nothing,
+    so after `explore_every` such steps in a row the source drafts again (its best K >= 1) to refresh its
+    estimate."""
 
     def __init__(self, costs: dict[str, list[float]], least: int = 0, decay: float = 0.9, prior: float = 0.5,
                  explore_every: int = 8):
