@@ -25,7 +25,7 @@ import torch
 from trtllm_dflash.checkpoints import safetensors_io
 from trtllm_dflash.checkpoints.safetensors_io import FileRange, ShardedReader, StreamingShardWriter, TensorInfo, save_sharded
 from trtllm_dflash.errors import InputError
-from trtllm_dflash.quant import convert as convert_mod
+from trtllm_dflash.quant import jobs as jobs_mod
 from trtllm_dflash.quant.codecs import e2m1_decode, mxfp4_decode, mxfp4_encode
 from trtllm_dflash.quant.convert import convert_checkpoint, load_dequantized_state_dict
 from trtllm_dflash.quant.recipes import RECIPES
@@ -335,7 +335,7 @@ def test_mxfp4_recipe_leaves_drafter_unquantized(drafter_dir, tmp_path):
 
 def test_streaming_writes_pieces_into_many_shards(gptoss_dir, tmp_path, monkeypatch):
     """One writer open at a time, experts arrive one at a time, shards close at the size limit."""
-    monkeypatch.setattr(convert_mod, "CHUNK_ELEMENTS", 1)  # force one expert per piece
+    monkeypatch.setattr(jobs_mod, "CHUNK_ELEMENTS", 1)  # force one expert per piece
     open_writers, max_open, pieces = [0], [0], []
     real_init, real_close = safetensors_io.StreamingShardWriter.__init__, safetensors_io.StreamingShardWriter.close
     real_write = safetensors_io.StreamingShardWriter.write
@@ -370,8 +370,8 @@ def test_failure_leaves_no_partial_output(gptoss_dir, tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(convert_mod, "mxfp4_to_nvfp4", boom)
-    monkeypatch.setattr(convert_mod, "mxfp4_to_nvfp4_scales", boom)
+    monkeypatch.setattr(jobs_mod, "mxfp4_to_nvfp4", boom)
+    monkeypatch.setattr(jobs_mod, "mxfp4_to_nvfp4_scales", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         convert_checkpoint(gptoss_dir, tmp_path / "o", "nvfp4", input_amax=EXPERT_AMAX, progress=False)
     assert os.listdir(tmp_path) == []
@@ -406,9 +406,9 @@ def test_exact_fp4_fast_path_gives_the_computed_bytes(wide_span_dir, tmp_path, m
     """MXFP4 -> NVFP4 experts: FP4 code bytes reused (transposed, no decode) where every block scale
     fits E4M3 under the layer-wide global scale (the computed path where one does not) give
     byte-identical shards to the computed path alone, and decode bit-exactly where exact."""
-    monkeypatch.setattr(convert_mod, "CHUNK_ELEMENTS", 1)  # one expert per chunk: exact and computed experts mix
+    monkeypatch.setattr(jobs_mod, "CHUNK_ELEMENTS", 1)  # one expert per chunk: exact and computed experts mix
     computed, exact = [], []
-    real_compute, real_scales = convert_mod.mxfp4_to_nvfp4, convert_mod.mxfp4_to_nvfp4_scales
+    real_compute, real_scales = jobs_mod.mxfp4_to_nvfp4, jobs_mod.mxfp4_to_nvfp4_scales
 
     def compute(blocks, scales, **kwargs):
         computed.append(kwargs["name"])
@@ -419,15 +419,15 @@ def test_exact_fp4_fast_path_gives_the_computed_bytes(wide_span_dir, tmp_path, m
         exact.append(result.exact)
         return result
 
-    monkeypatch.setattr(convert_mod, "mxfp4_to_nvfp4", compute)
-    monkeypatch.setattr(convert_mod, "mxfp4_to_nvfp4_scales", rescale)
+    monkeypatch.setattr(jobs_mod, "mxfp4_to_nvfp4", compute)
+    monkeypatch.setattr(jobs_mod, "mxfp4_to_nvfp4_scales", rescale)
     convert_checkpoint(wide_span_dir, tmp_path / "fast", "nvfp4", input_amax=EXPERT_AMAX, max_shard_bytes=50_000,
                        progress=False)
     assert computed == ["model.layers.1.mlp.experts.gate_up_proj"]  # only the wide-span expert
     assert sum(exact) == LAYERS * len(EXPERT_PARAMS) * EXPERTS - 1
 
     computed.clear()
-    monkeypatch.setattr(convert_mod, "COPY_EXACT_FP4", False)
+    monkeypatch.setattr(jobs_mod, "COPY_EXACT_FP4", False)
     convert_checkpoint(wide_span_dir, tmp_path / "slow", "nvfp4", input_amax=EXPERT_AMAX, max_shard_bytes=50_000,
                        progress=False)
     assert len(computed) == LAYERS * len(EXPERT_PARAMS) * EXPERTS
@@ -532,14 +532,14 @@ def test_ordered_map_keeps_order_bounds_lookahead_and_raises():
             raise ValueError("item 7")
         return i * i
 
-    results = convert_mod.ordered_map(work, ((i,) for i in range(7)), threads=2)
+    results = jobs_mod.ordered_map(work, ((i,) for i in range(7)), threads=2)
     for value in results:
         consumed.append(value)
         assert max(started) < len(consumed) + 4  # never more than 2 * threads ahead of the consumer
         time.sleep(0.01)  # a slow consumer: unbounded workers would race ahead
     assert consumed == [i * i for i in range(7)]
     with pytest.raises(ValueError, match="item 7"):
-        list(convert_mod.ordered_map(work, ((i,) for i in range(9)), threads=2))
+        list(jobs_mod.ordered_map(work, ((i,) for i in range(9)), threads=2))
 
 
 @pytest.mark.parametrize("shape", [(3, 5760 // 64, 1440 // 64), (2, 1, 7), (1, 9, 1), (4, 33, 17), (0, 4, 6)])
@@ -549,7 +549,7 @@ def test_byte_transpose_matches_torch(shape):
     g = torch.Generator().manual_seed(0)
     wide = torch.randint(0, 256, shape[:-1] + (2 * shape[-1],), dtype=torch.uint8, generator=g)
     for t in (wide[..., ::2], wide[..., : shape[-1]].float()):
-        out = convert_mod._transposed(t)
+        out = jobs_mod._transposed(t)
         assert out.is_contiguous() and out.dtype == t.dtype
         assert torch.equal(out, t.transpose(-1, -2))
 
