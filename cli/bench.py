@@ -143,7 +143,8 @@ def in_process_runners(target_dir, drafter_dir, draft_lengths, prompts, max_toke
     from trtllm_dflash.prompts import prompt_token_ids
     from trtllm_dflash.runtime.interface import check_request
     from trtllm_dflash.bench.points import SUFFIX_HYBRID
-    from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer, SuffixDFlashProposer
+    from trtllm_dflash.runtime.proposers import (DEFAULT_SA_THRESHOLD, DFlashProposer, SuffixDFlashProposer,
+                                                 default_sa_max_drafts)
     from trtllm_dflash.runtime.reference import ReferenceRuntime
     from trtllm_dflash.runtime.tuning import choose_expert_storage
 
@@ -167,9 +168,10 @@ def in_process_runners(target_dir, drafter_dir, draft_lengths, prompts, max_toke
     runners += [InProcessRunner("dflash", k, ReferenceRuntime(target, DFlashProposer(drafter, target, k + 1,
                                                                                     matmul_dtype=gemm)),
                                 max_tokens, max_batch) for k in lengths]
-    # dflash-sa (suffix-automaton drafts, else DFlash's) at the longest length, beside DFlash
+    # dflash-sa (suffix-automaton drafts, else DFlash's) at the longest length, beside DFlash, with dflash-run's
+    # default suffix drafts (up to 2 x that block - 1)
     hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target, lengths[-1] + 1, matmul_dtype=gemm),
-                                  DEFAULT_SA_THRESHOLD)
+                                  DEFAULT_SA_THRESHOLD, max_suffix_drafts=default_sa_max_drafts(lengths[-1] + 1))
     runners.append(InProcessRunner(SUFFIX_HYBRID, lengths[-1], ReferenceRuntime(target, hybrid), max_tokens, max_batch))
     machine = machine_description(torch_device)
     info = {"title": f"{target_dir.name} + {drafter_dir.name} on {machine}, {max_tokens} tokens/request",
