@@ -137,7 +137,7 @@ def resolve_draft_method(draft_method: str | None, sa_threshold: int | None, sa_
     docs/benchmarks.md), DFlash on TensorRT-LLM (which has no suffix drafting). dflash-sa's suffix drafts
     run up to the engine's `sa_max_drafts`, else `default_sa_max_drafts` of the verify block (`block_size`:
     --block-size or the engine's max_draft_len + 1; else the drafter's block)."""
-    from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD, default_sa_max_drafts
+    from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD, check_max_suffix_drafts, default_sa_max_drafts
 
     if backend == "trtllm":
         if draft_method in ("ngram", "dflash-sa") or sa_threshold is not None or sa_max_drafts is not None:
@@ -148,10 +148,8 @@ def resolve_draft_method(draft_method: str | None, sa_threshold: int | None, sa_
     if method != "dflash-sa":
         return DraftMethod(method)
     threshold = sa_threshold or (engine.sa_threshold if engine is not None else None) or DEFAULT_SA_THRESHOLD
-    drafts = (block_size or drafter_block) - 1
-    if sa_max_drafts is not None and sa_max_drafts < drafts:
-        raise InputError(f"expected at least the verify block's {drafts} drafts (suffix drafts run past the block, "
-                         f"never short of it), got {sa_max_drafts}.", field="--sa-max-drafts")
+    check_max_suffix_drafts(sa_max_drafts, (block_size or drafter_block) - 1, "the verify block's drafts",
+                            "--sa-max-drafts")
     longest = (sa_max_drafts or (engine.sa_max_drafts if engine is not None else None)
                or default_sa_max_drafts(block_size or drafter_block))
     return DraftMethod(method, threshold, longest)

@@ -99,9 +99,10 @@ def plan_build(options: BuildOptions) -> BuildPlan:
     spec = llm_options.speculative_config
     checks.check_draft_len(spec.max_draft_len, pair, "--max-draft-len" if options.schedule_file is None
                            else f"--schedule-from {options.schedule_file}")
-    if options.sa_max_drafts is not None and options.sa_max_drafts < spec.max_draft_len:
-        raise InputError(f"expected at least max_draft_len ({spec.max_draft_len}): suffix drafts run past the "
-                         f"verify block, never short of it; got {options.sa_max_drafts}.", field="--sa-max-drafts")
+    if options.sa_max_drafts is not None:
+        from ..runtime.proposers import check_max_suffix_drafts  # imports torch and the models: only when asked
+
+        check_max_suffix_drafts(options.sa_max_drafts, spec.max_draft_len, "max_draft_len", "--sa-max-drafts")
     checks.check_seq_len(llm_options.max_seq_len, pair)
     checks.check_tokenizers(pair)
     checks.check_quant(options.quant, profile, "--quant")

@@ -236,6 +236,14 @@ class NGramProposer:
 DEFAULT_SA_THRESHOLD = 2  # chosen by measurement: docs/benchmarks.md, "Suffix-automaton hybrid drafting"
 
 
+def check_max_suffix_drafts(value: int | None, block_drafts: int, bound: str, field: str) -> None:
+    """dflash-sa's longest suffix draft must be at least the verify block's drafts, `bound` saying which block
+    (an error naming `field` otherwise): suffix drafts run past the block, never short of it."""
+    if value is not None and value < block_drafts:
+        raise InputError(f"expected at least {bound} ({block_drafts}): suffix drafts run past the verify block, "
+                         f"never short of it; got {value}.", field=field)
+
+
 def default_sa_max_drafts(block_size: int) -> int:
     """dflash-sa's longest suffix draft unless asked otherwise: a verify of two blocks, 2 x block - 1 drafts (15 at
     the embedded drafter's block of 8, where the adaptive length then verifies mostly 9-10: level to +1% at 128
@@ -269,14 +277,12 @@ class SuffixDFlashProposer:
                  policy: AdaptiveDraftLength | None = None, max_suffix_drafts: int | None = None):
         if threshold < 1:
             raise InputError(f"expected at least 1, got {threshold}.", field="sa_threshold")
-        if max_suffix_drafts is not None and max_suffix_drafts < dflash.num_drafts:
-            raise InputError(f"expected at least the block's {dflash.num_drafts} drafts (suffix drafts run past the "
-                             f"block, never short of it), got {max_suffix_drafts}.", field="max_suffix_drafts")
+        check_max_suffix_drafts(max_suffix_drafts, dflash.num_drafts, "the block's drafts", "max_suffix_drafts")
         if policy is not None and dflash.policy is not None:
             raise ValueError("give the adaptive draft length to the hybrid proposer only, not to its DFlash proposer")
         self.dflash, self.threshold, self.policy = dflash, threshold, policy
         dflash.keep_confidence = policy is not None
-        self.num_drafts = max(dflash.num_drafts, max_suffix_drafts or 0)
+        self.num_drafts = max_suffix_drafts or dflash.num_drafts
         self.feature_layers = dflash.feature_layers
         self.suffix_rows: list[bool] = []
 
@@ -301,15 +307,15 @@ class SuffixDFlashProposer:
             # a suffix step verifies what the policy chose; a drafter step drafts the whole block and
             # verifies what its drafts' confidences say (`truncate`)
             num_drafts = chosen if everyone or chosen == 0 else num_drafts
-            matched = [None if row is None else row[:num_drafts] for row in matched]
         if num_drafts == 0:  # an autoregressive step (the policy's choice)
             self.suffix_rows = [False] * len(matched)
             return anchors.new_zeros(len(anchors), 0), None
+        if not everyone:  # the drafter's block bounds a step it drafts
+            num_drafts = min(num_drafts, self.dflash.num_drafts)
+        matched = [None if row is None else row[:num_drafts] for row in matched]
         if everyone:
             self.dflash.write_pending_context()
             return torch.tensor(matched, dtype=anchors.dtype, device=anchors.device), None
-        num_drafts = min(num_drafts, self.dflash.num_drafts)  # the drafter's block bounds a step it drafts
-        matched = [None if row is None else row[:num_drafts] for row in matched]
         drafts, q = self.dflash.propose(anchors, anchor_positions, history, num_drafts, params, generator)
         if any(self.suffix_rows):
             rows = torch.tensor([i for i, row in enumerate(matched) if row is not None], device=anchors.device)
