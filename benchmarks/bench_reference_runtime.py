@@ -14,9 +14,10 @@ batch before the next, in rotating order) and speed-ups are the median of per-re
 (min..max beside it), so machine noise largely cancels. tau is pooled:
 committed tokens over verify steps of all prompts. Greedy outputs are also checked for
 losslessness against the autoregressive run. With --adaptive, DFlash and dflash-sa also run with a
-per-step adaptive draft length (`runtime/draft_length.py`), its step costs measured here first. With --sa-max-drafts N, the dflash-sa rows at
-the first threshold also run with suffix drafts of up to N tokens (rows suffixed -sN;
-`SuffixDFlashProposer(max_suffix_drafts=N)`), and n-gram with N drafts (ngram-kN) beside them. The
+per-step adaptive draft length (`runtime/draft_length.py`), its step costs measured here first. With
+--sa-max-drafts N, the dflash-sa rows at the first threshold also run with suffix drafts of up to N tokens
+(rows suffixed -sN; `SuffixDFlashProposer(max_suffix_drafts=N)`; the adaptive ones share one cost table, the
+block-bound rows reading its first K), and n-gram with N drafts (ngram-kN) beside them. The
 DFlash and dflash-sa rows run the drafter step's GEMMs as `dflash-run --drafter-gemm-dtype` would
 (`--drafter-gemm-dtype`, default auto); with --also-drafter-gemm-dtype D, every such row is also run
 with them in D (`DFlashProposer(matmul_dtype=...)`; rows suffixed -D, adaptive ones with their own
@@ -138,19 +139,20 @@ def main() -> None:
                 target, SuffixDFlashProposer(dflash(), first_threshold, max_suffix_drafts=longest))
         if args.adaptive:
             start = time.perf_counter()
-            costs = measure_step_costs(target, dflash, args.batch_size, block - 1)
-            print(f"step costs{suffix} at batch {args.batch_size} (ms, K = 0..{block - 1}; measured in "
-                  f"{time.perf_counter() - start:.1f} s): {format_costs(costs)}")
+            # one table for every adaptive row (the suffix row up to --sa-max-drafts), so their policies differ
+            # only in how far suffix drafts may run, not in a second measurement's noise
+            widest = measure_step_costs(target, dflash, args.batch_size, block - 1, suffix_most=longest)
+            print(f"step costs{suffix} at batch {args.batch_size} (ms, K = 0, 1, ...; measured in "
+                  f"{time.perf_counter() - start:.1f} s): {format_costs(widest)}")
+            costs = {"neural": widest["neural"], "suffix": widest["suffix"][:block]}  # the block's K = 0..B-1
             policies[f"dflash-adapt{suffix}"] = AdaptiveDraftLength(costs)
             runtimes[f"dflash-adapt{suffix}"] = ReferenceRuntime(target, dflash(policy=policies[f"dflash-adapt{suffix}"]))
             name = f"dflash-sa{first_threshold}-adapt{suffix}"
             policies[name] = AdaptiveDraftLength(costs)
             runtimes[name] = ReferenceRuntime(target, SuffixDFlashProposer(dflash(), first_threshold, policy=policies[name]))
             if longest:
-                costs = measure_step_costs(target, dflash, args.batch_size, block - 1, suffix_most=longest)
-                print(f"step costs{suffix} with suffix drafts up to {longest}: {format_costs(costs)}")
                 name = f"dflash-sa{first_threshold}-s{longest}-adapt{suffix}"
-                policies[name] = AdaptiveDraftLength(costs)
+                policies[name] = AdaptiveDraftLength(widest)
                 runtimes[name] = ReferenceRuntime(target, SuffixDFlashProposer(
                     dflash(), first_threshold, policy=policies[name], max_suffix_drafts=longest))
     for runtime in runtimes.values():
