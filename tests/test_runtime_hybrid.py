@@ -18,8 +18,8 @@ from trtllm_dflash.errors import InputError
 from trtllm_dflash.models import linear
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
-from trtllm_dflash.runtime.draft_length import (AcceptanceEstimate, AdaptiveDraftLength, ConfidenceCalibration,
-                                               measure_step_costs)
+from trtllm_dflash.runtime.draft_length import (SOURCE_PRIORS, AcceptanceEstimate, AdaptiveDraftLength,
+                                               ConfidenceCalibration, measure_step_costs)
 from trtllm_dflash.runtime.proposers import DFlashProposer, SuffixDFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime, prefill
 from trtllm_dflash.runtime.sampling import SamplingParams
@@ -293,6 +293,17 @@ def test_adaptive_draft_length_trades_acceptance_against_cost():
     assert policy.choose("suffix", 2) == 2  # never more than the loop allows
     assert AdaptiveDraftLength(costs, least=1).choose("neural", 3) == 2  # least=1: always drafts
     assert AdaptiveDraftLength({"neural": [1.0, 1.0, 1.0, 1.0]}).choose("neural", 3) == 3  # free drafts: all
+
+
+def test_untried_positions_start_at_each_source_s_prior():
+    """Before any observation each source's K follows its prior alone: the neural drafter's 0.5 stops at two
+    drafts where the suffix source's optimistic prior verifies every one (SOURCE_PRIORS); swapped priors swap them."""
+    costs = {source: [1.0 + 0.1 * k for k in range(8)] for source in ("neural", "suffix")}
+    assert SOURCE_PRIORS == {"neural": 0.5, "suffix": 0.85}
+    policy = AdaptiveDraftLength(costs)
+    assert policy.choose("neural", 7) == 2 and policy.choose("suffix", 7) == 7
+    swapped = AdaptiveDraftLength(costs, priors={"neural": 0.85, "suffix": 0.5})
+    assert swapped.choose("neural", 7) == 7 and swapped.choose("suffix", 7) == 2
 
 
 def test_confidence_calibration_starts_at_the_confidence_and_learns_acceptance():

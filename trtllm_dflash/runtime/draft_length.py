@@ -14,7 +14,8 @@ on the drafter's distributions, never on the target, the tokens drawn or the ran
 step it sizes.
 
 Drafts come from two sources with very different acceptance (dflash-sa): the DFlash drafter
-("neural") and the suffix match ("suffix"); each has its own estimate and cost row.
+("neural") and the suffix match ("suffix"); each has its own estimate, cost row and prior
+(`SOURCE_PRIORS`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ import torch
 from .tuning import interleaved_medians
 
 SOURCES = ("neural", "suffix")
+
+# The acceptance an untried draft position starts from, per source. A neural draft's acceptance falls with
+# its position; a suffix draft copies a repeat that, once it has held, mostly keeps holding (conditional
+# acceptance 0.9-1.0 past the eighth draft with 15 suffix drafts verified every step), so its untried positions
+# start optimistic and K grows where the text repeats. 0.85 was the best of 0.5 / 0.7 / 0.85 / 0.95 for
+# dflash-sa at 128 tokens (docs/benchmarks.md, round 15); the neural prior made no difference (0.35-0.8).
+SOURCE_PRIORS = {"neural": 0.5, "suffix": 0.85}
 
 
 @dataclass
@@ -109,7 +117,9 @@ class ConfidenceCalibration:
 
 
 class AdaptiveDraftLength:
-    """Chooses K in [least, most] per step and source: argmax of expected tokens / cost[source][K].
+    """Chooses K in [least, most] per step and source: argmax of expected tokens / cost[source][K], the
+    expected tokens from that source's `AcceptanceEstimate` (its untried positions at `priors[source]`,
+    default `SOURCE_PRIORS`).
 
     `costs[source][K]` is the measured seconds of a step with K drafts from that source, K = 0 being a
     plain autoregressive step; see `measure_step_costs`. A source's row may be longer than another's
@@ -119,11 +129,12 @@ class AdaptiveDraftLength:
     so after `explore_every` such steps in a row the source drafts again (its best K >= 1) to refresh its
     estimate."""
 
-    def __init__(self, costs: dict[str, list[float]], least: int = 0, decay: float = 0.9, prior: float = 0.5,
-                 explore_every: int = 8):
+    def __init__(self, costs: dict[str, list[float]], least: int = 0, decay: float = 0.9,
+                 priors: dict[str, float] | None = None, explore_every: int = 8):
         self.costs, self.least, self.explore_every = costs, least, explore_every
+        priors = SOURCE_PRIORS if priors is None else priors
         self.most = {source: len(row) - 1 for source, row in costs.items()}  # per source
-        self.estimates = {source: AcceptanceEstimate(self.most[source], decay, prior) for source in costs}
+        self.estimates = {source: AcceptanceEstimate(self.most[source], decay, priors[source]) for source in costs}
         self.calibration = ConfidenceCalibration()
         self.idle = {source: 0 for source in costs}  # steps in a row without drafts, per source
         self.chosen: dict[str, list[int]] = {source: [] for source in costs}  # K of every step, for reports
