@@ -246,8 +246,8 @@ def check_max_suffix_drafts(value: int | None, block_drafts: int, bound: str, fi
 
 def default_sa_max_drafts(block_size: int) -> int:
     """dflash-sa's longest suffix draft unless asked otherwise: a verify of two blocks, 2 x block - 1 drafts (15 at
-    the embedded drafter's block of 8, where the adaptive length then verifies mostly 9-10: level to +1% at 128
-    tokens a prompt, 1.08x at 256, where repeats last longer; docs/benchmarks.md, round 14)."""
+    the embedded drafter's block of 8, where the adaptive length then verifies mostly 12 at 128 tokens a prompt
+    and 15 at 256: 1.04x and 1.08x over suffix drafts within the block; docs/benchmarks.md, rounds 14 and 15)."""
     return 2 * block_size - 1
 
 
