@@ -32,7 +32,8 @@ SOURCES = ("neural", "suffix")
 # its position; a suffix draft copies a repeat that, once it has held, mostly keeps holding (conditional
 # acceptance 0.9-1.0 past the eighth draft with 15 suffix drafts verified every step), so its untried positions
 # start optimistic and K grows where the text repeats. 0.85 was the best of 0.5 / 0.7 / 0.85 / 0.95 for
-# dflash-sa at 128 tokens (docs/benchmarks.md, round 15); the neural prior made no difference (0.35-0.8).
+# dflash-sa at 128 tokens, and of 0.5 / 0.7 / 0.85 at 256 (docs/benchmarks.md, round 15); the neural prior made
+# no difference (0.35-0.8).
 SOURCE_PRIORS = {"neural": 0.5, "suffix": 0.85}
 
 
