@@ -21,6 +21,8 @@ block-bound rows reading its first K), and n-gram with N drafts (ngram-kN) besid
 DFlash and dflash-sa rows run the drafter step's GEMMs as `dflash-run --drafter-gemm-dtype` would
 (`--drafter-gemm-dtype`, default auto); with --also-drafter-gemm-dtype D, every such row is also run
 with them in D (`DFlashProposer(matmul_dtype=...)`; rows suffixed -D, adaptive ones with their own
+step costs). With --suffix-priors P,..., the widest adaptive dflash-sa row also runs with each of these
+priors for its suffix drafts' untried positions instead of `SOURCE_PRIORS`' (rows suffixed -pP, the same
 step costs).
 """
 
@@ -41,7 +43,7 @@ from trtllm_dflash.models.linear import DRAFTER_GEMM_DTYPES, drafter_gemm_dtype
 from trtllm_dflash.models.random_pair import drafter_config_for, save_random_drafter, save_random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
-from trtllm_dflash.runtime.draft_length import AdaptiveDraftLength, format_costs, measure_step_costs
+from trtllm_dflash.runtime.draft_length import SOURCE_PRIORS, AdaptiveDraftLength, format_costs, measure_step_costs
 from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer, NGramProposer, SuffixDFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
@@ -78,6 +80,8 @@ def main() -> None:
                         help="add DFlash and dflash-sa rows with a per-step adaptive draft length")
     parser.add_argument("--sa-max-drafts", type=int,
                         help="add dflash-sa rows whose suffix drafts run up to this many tokens, and n-gram with as many")
+    parser.add_argument("--suffix-priors", default="",
+                        help="with --adaptive: the widest adaptive dflash-sa row also at these suffix priors (comma-separated)")
     parser.add_argument("--expert-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="as dflash-run's option of that name")
     parser.add_argument("--drafter-gemm-dtype", choices=DRAFTER_GEMM_DTYPES, default="auto",
@@ -155,6 +159,13 @@ def main() -> None:
                 policies[name] = AdaptiveDraftLength(widest)
                 runtimes[name] = ReferenceRuntime(target, SuffixDFlashProposer(
                     dflash(), first_threshold, policy=policies[name], max_suffix_drafts=longest))
+            for prior in (float(x) for x in args.suffix_priors.split(",") if x):
+                stem = f"dflash-sa{first_threshold}" + (f"-s{longest}" if longest else "")
+                name = f"{stem}-adapt-p{prior:g}{suffix}"
+                policies[name] = AdaptiveDraftLength(widest if longest else costs,
+                                                     priors={**SOURCE_PRIORS, "suffix": prior})
+                runtimes[name] = ReferenceRuntime(target, SuffixDFlashProposer(
+                    dflash(), first_threshold, policy=policies[name], max_suffix_drafts=longest))
     for runtime in runtimes.values():
         runtime.warm_up(prompts[0])
     rates: dict[str, list[float]] = {name: [] for name in runtimes}
@@ -183,14 +194,14 @@ def main() -> None:
 
     print(f"pair={label} device={args.device} threads={args.threads} prompts={len(prompts)} "
           f"batch={args.batch_size} max_tokens={args.max_tokens} block={block} repeats={args.repeats}")
-    print(f"{'method':<24}{'decode tok/s':>14}{'tau':>8}{'draft share':>13}{'suffix steps':>14}"
+    print(f"{'method':<28}{'decode tok/s':>14}{'tau':>8}{'draft share':>13}{'suffix steps':>14}"
           f"{'speed-up':>10}{'min..max':>14}{'vs ngram':>10}{'lossless':>10}")
     for name in runtimes:
         ratios = [r / a for r, a in zip(rates[name], rates["autoregressive"])]
         versus_ngram = statistics.median(r / n for r, n in zip(rates[name], rates["ngram"]))
         lossless = sum(o == a for o, a in zip(outputs[name], outputs["autoregressive"]))
         tau, share, suffix = summary[name]
-        print(f"{name:<24}{statistics.median(rates[name]):>14.1f}{tau:>8.2f}{share:>13.0%}{suffix:>14.0%}"
+        print(f"{name:<28}{statistics.median(rates[name]):>14.1f}{tau:>8.2f}{share:>13.0%}{suffix:>14.0%}"
               f"{statistics.median(ratios):>9.2f}x{min(ratios):>7.2f}..{max(ratios):.2f}x"
               f"{versus_ngram:>9.2f}x{lossless:>6}/{len(prompts)}")
     for name in runtimes:
