@@ -151,21 +151,18 @@ def main() -> None:
             costs = {"neural": widest["neural"], "suffix": widest["suffix"][:block]}  # the block's K = 0..B-1
             policies[f"dflash-adapt{suffix}"] = AdaptiveDraftLength(costs)
             runtimes[f"dflash-adapt{suffix}"] = ReferenceRuntime(target, dflash(policy=policies[f"dflash-adapt{suffix}"]))
-            name = f"dflash-sa{first_threshold}-adapt{suffix}"
-            policies[name] = AdaptiveDraftLength(costs)
-            runtimes[name] = ReferenceRuntime(target, SuffixDFlashProposer(dflash(), first_threshold, policy=policies[name]))
+            # the adaptive hybrids: (row stem, step costs, longest suffix draft); the widest also at --suffix-priors
+            hybrids = [(f"dflash-sa{first_threshold}-adapt", costs, None)]
             if longest:
-                name = f"dflash-sa{first_threshold}-s{longest}-adapt{suffix}"
-                policies[name] = AdaptiveDraftLength(widest)
+                hybrids.append((f"dflash-sa{first_threshold}-s{longest}-adapt", widest, longest))
+            stem, table, most = hybrids[-1]
+            rows = [(name + suffix, AdaptiveDraftLength(row_costs), row_most) for name, row_costs, row_most in hybrids]
+            rows += [(f"{stem}-p{prior:g}{suffix}", AdaptiveDraftLength(table, priors={**SOURCE_PRIORS, "suffix": prior}),
+                      most) for prior in (float(x) for x in args.suffix_priors.split(",") if x)]
+            for name, policy, row_most in rows:
+                policies[name] = policy
                 runtimes[name] = ReferenceRuntime(target, SuffixDFlashProposer(
-                    dflash(), first_threshold, policy=policies[name], max_suffix_drafts=longest))
-            for prior in (float(x) for x in args.suffix_priors.split(",") if x):
-                stem = f"dflash-sa{first_threshold}" + (f"-s{longest}" if longest else "")
-                name = f"{stem}-adapt-p{prior:g}{suffix}"
-                policies[name] = AdaptiveDraftLength(widest if longest else costs,
-                                                     priors={**SOURCE_PRIORS, "suffix": prior})
-                runtimes[name] = ReferenceRuntime(target, SuffixDFlashProposer(
-                    dflash(), first_threshold, policy=policies[name], max_suffix_drafts=longest))
+                    dflash(), first_threshold, policy=policy, max_suffix_drafts=row_most))
     for runtime in runtimes.values():
         runtime.warm_up(prompts[0])
     rates: dict[str, list[float]] = {name: [] for name in runtimes}
