@@ -148,10 +148,10 @@ def resolve_draft_method(draft_method: str | None, sa_threshold: int | None, sa_
     if method != "dflash-sa":
         return DraftMethod(method)
     threshold = sa_threshold or (engine.sa_threshold if engine is not None else None) or DEFAULT_SA_THRESHOLD
-    check_max_suffix_drafts(sa_max_drafts, (block_size or drafter_block) - 1, "the verify block's drafts",
-                            "--sa-max-drafts")
+    verify_block = block_size or drafter_block
+    check_max_suffix_drafts(sa_max_drafts, verify_block - 1, "the verify block's drafts", "--sa-max-drafts")
     longest = (sa_max_drafts or (engine.sa_max_drafts if engine is not None else None)
-               or default_sa_max_drafts(block_size or drafter_block))
+               or default_sa_max_drafts(verify_block))
     return DraftMethod(method, threshold, longest)
 
 
