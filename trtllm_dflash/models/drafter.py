@@ -13,8 +13,12 @@ is bound by per-op overhead: the context K/V of all layers comes from one GEMM o
 fused projection, as calibration does, the modules run instead),
 and the block's own K/V is written to the arena slots just past each request's context, where the
 visibility mask admits it for this forward only and the next commit overwrites it (so rejected
-drafts never become context). `run_layers` / `forward_train` keep the per-module formulation that
-training, the ONNX export and the tests' reference formulas use.
+drafts never become context). On a float32 CPU drafter the compiled draft-step kernels of
+plugins/draft_block/cpu.py take over everything between the GEMMs where they load (`compiled_layers`):
+per layer one call for QK-norm + RoPE + block attention on the raw q/k/v projection (the block's K/V then
+never enter the arena), one for each residual add + RMSNorm, one for SiLU-and-multiply.
+`run_layers` / `forward_train` keep the per-module formulation that training, the ONNX export and the
+tests' reference formulas use.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from torch.nn import functional as F
 
 from ..checkpoints.hf import load_state_dict
 from ..errors import InputError
+from ..plugins.draft_block.cpu import (add_rms_norm_cpu, draft_block_attention_cpu, rms_norm_cpu, serves, silu_mul_cpu,
+                                      write_context_kv_cpu)
 from ..plugins.draft_block.reference import context_visibility
 from .drafter_config import DFlashConfig
 from .kv_cache import KVArena
@@ -121,6 +127,8 @@ class InferenceWeights:
     first_qk_context_norm: torch.Tensor  # [Hq + layers * Hkv, D]: first layer's q_norm per query head, k_norms
     qkv: list[CastLinear]  # per layer [(Hq + 2 Hkv) * D] outputs
     qk_norm: list[torch.Tensor]  # per layer [Hq + Hkv, D]: q_norm per query head, then k_norm per KV head
+    q_norm: list[torch.Tensor]  # per layer [D], for the compiled kernel's prologue
+    k_norm: list[torch.Tensor]  # per layer [D]
     o_proj: list[CastLinear]
     gate_up: list[CastLinear]  # per layer [2 I] outputs
     down_proj: list[CastLinear]
@@ -146,6 +154,8 @@ class InferenceWeights:
             first_qk_context_norm=torch.cat([q_norms[0], *k_norms]),
             qkv=[linear_of([a.q_proj, a.k_proj, a.v_proj], dtype) for a in attns],
             qk_norm=[torch.cat([q, k]) for q, k in zip(q_norms, k_norms)],
+            q_norm=[a.q_norm.weight.detach().clone() for a in attns],
+            k_norm=[a.k_norm.weight.detach().clone() for a in attns],
             o_proj=[linear_of([a.o_proj], dtype) for a in attns],
             gate_up=[linear_of([m.gate_proj, m.up_proj], dtype) for m in mlps],
             down_proj=[linear_of([m.down_proj], dtype) for m in mlps],
@@ -193,6 +203,7 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(cfg.rope_config())
         self.scale = cfg.head_dim ** -0.5
         self.use_plugin = False  # True: block attention through the draft-block plugin's custom op
+        self.use_cpu_kernel = True  # False: the lean path in torch even where the compiled CPU kernels load
         self._fused: tuple[list, list, dict] | None = None  # (parameters, their key, weights per GEMM dtype)
         self._linears: tuple[nn.Linear, ...] | None = None  # the projections the fused path bypasses
 
@@ -258,6 +269,12 @@ class DFlashDrafter(nn.Module):
             return BlockLayout(length, attention_bias(visible, groups, dtype), slots)
         return BlockLayout(length, visible, slots)
 
+    def uses_cpu_kernels(self, x: torch.Tensor, cache: KVArena) -> bool:
+        """Whether the lean path runs its layers through the compiled CPU kernels (`compiled_layers`):
+        `use_cpu_kernel`, no plugin, float32 on CPU, a head_dim of whole 16-float vectors, the kernels built."""
+        return (self.use_cpu_kernel and not self.use_plugin and self.config.head_dim % 16 == 0
+                and serves(x, cache.keys))
+
     def bypassed_modules_hooked(self) -> bool:
         """A forward hook on a projection the fused weights bypass (calibration records their inputs)."""
         if self._linears is None:  # walking the module tree each step cost ~50 us
@@ -294,16 +311,25 @@ class DFlashDrafter(nn.Module):
                 cache.write(i, positions, k.transpose(1, 2), v.transpose(1, 2))
             return
         w = self.inference_weights(matmul_dtype)
-        fused = self.fused_features(w, features)
+        compiled = self.uses_cpu_kernels(features, cache)
+        fused = self.fused_features(w, features, compiled)
         b, n, _ = fused.shape
         kv = w.context_kv(fused).view(b, n, 2, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        if compiled:
+            write_context_kv_cpu(kv[:, :, 0].flatten(2, 3), kv[:, :, 1].flatten(2, 3), w.context_k_norm, cos, sin,
+                                 cache.keys, cache.values, positions, cfg.rms_norm_eps)
+            return
         k = normed_rotated(kv[:, :, 0], w.context_k_norm, cos[:, :, None, None], sin[:, :, None, None],
                            cfg.rms_norm_eps)
         cache.write_all(positions, k, kv[:, :, 1])
 
-    def fused_features(self, w: InferenceWeights, features: torch.Tensor) -> torch.Tensor:
-        """The lean path's fc -> hidden_norm of target features [b, n, F]: every layer's context K/V input."""
-        return lean_rms_norm(w.fc(cast(features, self.dtype)), w.hidden_norm, self.config.rms_norm_eps)
+    def fused_features(self, w: InferenceWeights, features: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+        """The lean path's fc -> hidden_norm of target features [b, n, F]: every layer's context K/V input
+        (`compiled`: the norm through the compiled CPU kernel)."""
+        projected = w.fc(cast(features, self.dtype))
+        if compiled:
+            return rms_norm_cpu(projected, w.hidden_norm, self.config.rms_norm_eps)
+        return lean_rms_norm(projected, w.hidden_norm, self.config.rms_norm_eps)
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
         """The layer stack; `attend(layer, q, k, v)` supplies the context part of attention."""
@@ -341,25 +367,29 @@ class DFlashDrafter(nn.Module):
             self.write_context(*context, cache, matmul_dtype)
             context = None
         n = 0 if context is None else context[0].shape[1]
+        compiled = lean and self.uses_cpu_kernels(x, cache)  # its attention needs no mask or block slots
         if isinstance(block_positions, int):  # no reductions over tensors: a lone request's step is op-bound
             cos, sin = self.rotary.span(block_positions - n, n + width, x.dtype, x.device)
-            block = self.block_layout(context_lens, width, x.dtype, block_positions + width)
+            block = None if compiled else self.block_layout(context_lens, width, x.dtype, block_positions + width)
         else:
             positions = block_positions if context is None else torch.cat([context[1], block_positions], dim=1)
             cos, sin = self.rotary(positions, x.dtype)
-            block = self.block_layout(context_lens, width, x.dtype)
+            block = None if compiled else self.block_layout(context_lens, width, x.dtype)
         if not lean:
             return self.run_layers(x, cos, sin, lambda i, q, k, v: self.block_attention(
                 i, q, k.transpose(1, 2), v.transpose(1, 2), cache, context_lens, block))
         w = self.inference_weights(matmul_dtype)
+        if compiled:
+            return self.compiled_layers(w, x, context, cache, context_lens, cos, sin)
         cos, sin = cos[:, :, None], sin[:, :, None]
         block_cos, block_sin = (cos, sin) if n == 0 else (cos[:, n:], sin[:, n:])
         eps = cfg.rms_norm_eps
         for i in range(cfg.num_hidden_layers):
+            h = lean_rms_norm(x, w.input_norm[i], eps)
             if i == 0 and context is not None:
-                q, k, v = self.first_layer_with_context(w, x, context, cache, cos, sin)
+                q, k, v = self.first_layer_with_context(w, h, context, cache, cos, sin)
             else:
-                qkv = w.qkv[i](lean_rms_norm(x, w.input_norm[i], eps)).view(b, width, -1, d)
+                qkv = w.qkv[i](h).view(b, width, -1, d)
                 qk = normed_rotated(qkv[:, :, : hq + hkv], w.qk_norm[i], block_cos, block_sin, eps)
                 q, k, v = qk[:, :, :hq], qk[:, :, hq:], qkv[:, :, hq + hkv:]
             attended = self.block_attention(i, q.transpose(1, 2), k, v, cache, context_lens, block)
@@ -370,21 +400,58 @@ class DFlashDrafter(nn.Module):
             x = x + w.down_proj[i].native(F.silu(gate) * up)
         return lean_rms_norm(x, w.final_norm, eps)
 
-    def first_layer_with_context(self, w: InferenceWeights, x: torch.Tensor,
+    def compiled_layers(self, w: InferenceWeights, x: torch.Tensor,
+                        context: tuple[torch.Tensor, torch.Tensor | int] | None, cache: KVArena,
+                        context_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`forward`'s lean layers through the compiled CPU kernels (plugins/draft_block/cpu.py): per layer the
+        q/k/v GEMM, one call for QK-norm + RoPE + block attention on its raw output, o_proj, one call for the
+        residual add + RMSNorm, gate/up, one for SiLU-and-multiply, down, one more add + norm. cos/sin [b, n + B, D]
+        cover the context rows `context` adds (n), then the block's. The block's K/V never enter the arena."""
+        cfg = self.config
+        b, width, _ = x.shape
+        hq, hkv, d, eps, layers = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
+                                   cfg.num_hidden_layers)
+        n = 0 if context is None else context[0].shape[1]
+        rows = b * width
+        block_cos, block_sin = cos[:, n:].reshape(rows, d), sin[:, n:].reshape(rows, d)
+        h = rms_norm_cpu(x, w.input_norm[0], eps)
+        for i in range(layers):
+            if i == 0 and context is not None:
+                q, k, v = self.first_layer_with_context(w, h, context, cache, cos[:, :, None], sin[:, :, None],
+                                                        compiled=True)
+            else:
+                qkv = w.qkv[i](h).view(b, width, -1, d)
+                q, k, v = qkv[:, :, :hq], qkv[:, :, hq: hq + hkv], qkv[:, :, hq + hkv:]
+            attended = draft_block_attention_cpu(q.reshape(rows, hq, d), k.reshape(rows, hkv, d), v.reshape(rows, hkv, d),
+                                                 cache.k[i], cache.v[i], context_lens, self.scale, cfg.sliding_window,
+                                                 (w.q_norm[i], w.k_norm[i], block_cos, block_sin), eps)
+            x, h = add_rms_norm_cpu(x, w.o_proj[i].native(attended.view(b, width, hq * d)), w.post_attention_norm[i], eps)
+            after = w.input_norm[i + 1] if i + 1 < layers else w.final_norm
+            x, h = add_rms_norm_cpu(x, w.down_proj[i].native(silu_mul_cpu(w.gate_up[i].native(h))), after, eps)
+        return h
+
+    def first_layer_with_context(self, w: InferenceWeights, h: torch.Tensor,
                                  context: tuple[torch.Tensor, torch.Tensor | int], cache: KVArena,
-                                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                                 cos: torch.Tensor, sin: torch.Tensor, compiled: bool = False
+                                 ) -> tuple[torch.Tensor, ...]:
         """The first layer's block q, k, v [b, B, heads, D] and, from the same GEMM, every layer's context K/V
         of the committed tokens `context` (written to the arena here): the context rows (fc -> hidden_norm)
-        and the block's (input_layernorm) go through [q0; every k; every v] together, and the context rows'
-        q0 is dropped. cos/sin cover the context rows, then the block's."""
+        and the block's (`h`, after input_layernorm) go through [q0; every k; every v] together, and the
+        context rows' q0 is dropped. cos/sin [b, n + B, 1, D] cover the context rows, then the block's.
+        `compiled`: through the compiled CPU kernels, which norm and rotate the context's keys here and leave
+        the block's q and k raw (its attention call norms and rotates them)."""
         cfg = self.config
         hq, hkv, d, layers, eps = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                    cfg.num_hidden_layers, cfg.rms_norm_eps)
         features, positions = context
         n = features.shape[1]
-        rows = torch.cat([self.fused_features(w, features), lean_rms_norm(x, w.input_norm[0], eps)], dim=1)
+        rows = torch.cat([self.fused_features(w, features, compiled), h], dim=1)
         out = w.first_qkv_context(rows).view(*rows.shape[:2], -1, d)  # heads: q0, then each layer's k, then v
         keys = hq + layers * hkv
+        if compiled:
+            write_context_kv_cpu(out[:, :n, hq:keys], out[:, :n, keys:], w.context_k_norm, cos[:, :n, 0], sin[:, :n, 0],
+                                 cache.keys, cache.values, positions, eps)
+            return out[:, n:, :hq], out[:, n:, hq: hq + hkv], out[:, n:, keys: keys + hkv]
         qk = normed_rotated(out[:, :, :keys], w.first_qk_context_norm, cos, sin, eps)
         cache.write_all(positions, qk[:, :n, hq:].unflatten(2, (layers, hkv)),
                         out[:, :n, keys:].unflatten(2, (layers, hkv)))

@@ -17,6 +17,7 @@ from ..errors import InputError
 from ..models.drafter import DFlashDrafter
 from ..models.linear import CastLinear, cast, gemm_dtype
 from ..models.target import GptOssTarget
+from ..plugins.draft_block.cpu import greedy_peak_cpu, serves
 from .accept import sample_from_probs
 from .draft_length import AdaptiveDraftLength
 from .sampling import SamplingParams, greedy_tokens, probabilities
@@ -148,6 +149,11 @@ class DFlashProposer:
         hidden = self.drafter(self.target.embed(block), positions, self.cache, self.context_lens, self.matmul_dtype,
                               context=(features, context_positions))
         logits = self.draft_logits(hidden[:, 1:])
+        if params.greedy and self.drafter.use_cpu_kernel and serves(logits):  # one pass instead of two or three ops
+            tokens, peak = greedy_peak_cpu(logits)
+            if self.keep_confidence:
+                self.confidence = peak
+            return tokens, None
         if params.greedy:
             if self.keep_confidence:
                 self.confidence = torch.softmax(logits, dim=-1).amax(dim=-1)

@@ -1,0 +1,160 @@
+"""The compiled CPU kernels (plugins/draft_block/cpu_kernel.cpp) against the reference formulations, and the
+drafter's compiled path against its torch one."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from trtllm_dflash.models.drafter import DFlashDrafter, normed_rotated
+from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, tiny_target_config
+from trtllm_dflash.models.target import lean_rms_norm
+from trtllm_dflash.plugins.draft_block import cpu
+from trtllm_dflash.plugins.draft_block.reference import draft_block_attention_reference
+
+pytestmark = pytest.mark.skipif(cpu.cpu_kernel() is None, reason=f"kernels not built: {cpu.unavailable_reason()}")
+
+
+def rotation(rows: int, d: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [rows, D] as `Rotary` gives them (sin signed for rotate-half)."""
+    angles = torch.rand(rows, d // 2, generator=gen) * 6
+    return torch.cat([angles.cos(), angles.cos()], -1), torch.cat([-angles.sin(), angles.sin()], -1)
+
+
+def block_case(lens: list[int], block: int, hq: int, hkv: int, d: int, seed: int = 0):
+    """Raw q/k/v as strided views of one projection [b, B, Hq + 2 Hkv, D], an arena with NaN past each
+    request's context, and the prologue's weights and rotation."""
+    gen = torch.Generator().manual_seed(seed)
+    b, capacity = len(lens), max(lens) + 5
+    qkv = torch.randn(b, block, hq + 2 * hkv, d, generator=gen)
+    q, k, v = (part.reshape(b * block, -1, d) for part in (qkv[:, :, :hq], qkv[:, :, hq: hq + hkv], qkv[:, :, hq + hkv:]))
+    arena = torch.randn(2, b, hkv, capacity, d, generator=gen)
+    for i, n in enumerate(lens):
+        arena[:, i, :, n:] = float("nan")  # garbage: never read into a result
+    cos, sin = rotation(b * block, d, gen)
+    norms = (torch.rand(d, generator=gen) + 0.5, torch.rand(d, generator=gen) + 0.5)
+    return q, k, v, arena[0], arena[1], torch.tensor(lens), (*norms, cos, sin)
+
+
+CASES = [  # (lens, block, Hq, Hkv, D, window)
+    ([200], 8, 4, 2, 64, None),  # the embedded drafter's lone request
+    ([200], 8, 4, 2, 64, 512),  # a window longer than the context changes nothing
+    ([40, 0, 23], 4, 4, 2, 16, 6),  # ragged, an empty context, a window that cuts slot by slot
+    ([7, 30], 5, 6, 2, 32, None),  # 15 rows a KV head: the tile's padding
+    ([77, 9], 10, 8, 1, 128, 64),  # head_dim 128, one KV head
+]
+
+
+@pytest.mark.parametrize("lens,block,hq,hkv,d,window", CASES)
+def test_attention_matches_the_float64_reference(lens, block, hq, hkv, d, window):
+    q, k, v, ctx_k, ctx_v, ctx_lens, prologue = block_case(lens, block, hq, hkv, d)
+    scale = d ** -0.5
+    got = cpu.draft_block_attention_cpu(q, k, v, ctx_k, ctx_v, ctx_lens, scale, window)
+    expected = draft_block_attention_reference(*(x.double() for x in (q, k, v, ctx_k, ctx_v)), ctx_lens, scale, window)
+    torch.testing.assert_close(got.double().view_as(expected), expected, rtol=1e-5, atol=1e-5)
+    q_norm, k_norm, cos, sin = prologue  # with the prologue: QK-norm and RoPE as the torch path applies them
+    got = cpu.draft_block_attention_cpu(q, k, v, ctx_k, ctx_v, ctx_lens, scale, window, prologue, 1e-5)
+    q, k = (normed_rotated(x, w, cos[:, None], sin[:, None], 1e-5).double() for x, w in ((q, q_norm), (k, k_norm)))
+    expected = draft_block_attention_reference(q, k, v.double(), ctx_k.double(), ctx_v.double(), ctx_lens, scale, window)
+    torch.testing.assert_close(got.double().view_as(expected), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_refuses_what_it_does_not_take():
+    q, k, v, ctx_k, ctx_v, ctx_lens, prologue = block_case([5], 4, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu.draft_block_attention_cpu(q.double(), k, v, ctx_k, ctx_v, ctx_lens, 0.25)
+    with pytest.raises(RuntimeError, match="lies outside"):
+        cpu.draft_block_attention_cpu(q, k, v, ctx_k, ctx_v, torch.tensor([99]), 0.25)
+    q, k, v, ctx_k, ctx_v, ctx_lens, _ = block_case([5], 4, 4, 2, 24)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cpu.draft_block_attention_cpu(q, k, v, ctx_k, ctx_v, ctx_lens, 0.25)
+
+
+@pytest.mark.parametrize("delta_dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_residual_add_then_the_norm(delta_dtype):
+    gen = torch.Generator().manual_seed(1)
+    x, delta = torch.randn(2, 7, 256, generator=gen), torch.randn(2, 7, 256, generator=gen).to(delta_dtype)
+    weight = torch.rand(256, generator=gen).repeat(2)  # a doubled weight: the first H entries are read
+    total, normed = cpu.add_rms_norm_cpu(x, delta, weight, 1e-5)
+    assert torch.equal(total, x + delta)
+    torch.testing.assert_close(normed, lean_rms_norm(x + delta, weight, 1e-5), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_is_swiglus_gate(dtype):
+    gate_up = (torch.randn(3, 5, 2 * 520, generator=torch.Generator().manual_seed(2)) * 6).to(dtype)  # a ragged tail
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    got = cpu.silu_mul_cpu(gate_up)
+    assert got.dtype == dtype
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # one rounding to bf16 against torch's two
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_greedy_peak_is_argmax_and_the_softmax_peak():
+    logits = torch.randn(3, 7, 4100, generator=torch.Generator().manual_seed(3)) * 5  # a ragged tail
+    logits[0, 0, [17, 4099]] = 100.0  # a tie: the first index wins, as argmax's
+    tokens, peak = cpu.greedy_peak_cpu(logits)
+    assert torch.equal(tokens, logits.argmax(dim=-1)) and tokens[0, 0] == 17
+    torch.testing.assert_close(peak, torch.softmax(logits, dim=-1).amax(dim=-1), rtol=1e-6, atol=1e-7)
+
+
+def compiled_and_torch(drafter: DFlashDrafter, run) -> tuple:
+    """run(drafter) with the compiled kernels, then with the torch formulation."""
+    outs = []
+    for use in (True, False):
+        drafter.use_cpu_kernel = use
+        outs.append(run(drafter))
+    drafter.use_cpu_kernel = True
+    return tuple(outs)
+
+
+@pytest.mark.parametrize("lens,window,committed", [([19], None, 0), ([19], None, 3), ([19], 12, 2),
+                                                   ([5, 30, 0], 9, 0), ([5, 30, 0], None, 2)])
+def test_drafter_compiled_path_matches_its_torch_path(lens, window, committed):
+    """Lone requests and ragged batches, with and without committed tokens' context written in the step,
+    with a window that cuts: the same hidden states and the same context K/V in the arena (the prompts' written
+    by `write_context`, the committed tokens' by the step)."""
+    config = dataclasses.replace(drafter_config_for(tiny_target_config(), num_layers=2, block_size=4),
+                                 sliding_window=window)
+    drafter = random_drafter(config, seed=5)
+    assert drafter.uses_cpu_kernels(torch.zeros(1), drafter.new_cache(1, 1))
+    b, width, features = len(lens), config.block_size, len(config.target_layer_ids) * config.hidden_size
+
+    def run(model):
+        gen = torch.Generator().manual_seed(6)
+        cache = model.new_cache(b, max(lens) + committed + width)
+        model.write_context(torch.randn(b, max(lens), features, generator=gen), torch.arange(max(lens)).expand(b, -1), cache)
+        embeds = torch.randn(b, width, config.hidden_size, generator=gen)
+        context_lens = torch.tensor(lens) + committed
+        new = torch.randn(b, committed, features, generator=gen)
+        if b == 1:
+            positions, context = int(context_lens[0]), (new, lens[0])
+        else:
+            positions = context_lens[:, None] + torch.arange(width)
+            context = (new, torch.tensor(lens)[:, None] + torch.arange(committed))
+        hidden = model(embeds, positions, cache, context_lens, context=context if committed else None)
+        return hidden, [arena[:, i, :, :n] for i, n in enumerate(context_lens.tolist()) for arena in (cache.keys, cache.values)]
+
+    (compiled, compiled_keys), (plain, plain_keys) = compiled_and_torch(drafter, run)
+    torch.testing.assert_close(compiled, plain, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(compiled_keys, plain_keys):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_disabled_kernels_leave_the_torch_path():
+    """TRTLLM_DFLASH_CPU_KERNEL=0: no build, the reason said, the drafter on its torch formulation."""
+    code = ("import torch\n"
+            "from trtllm_dflash.plugins.draft_block import cpu\n"
+            "from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, tiny_target_config\n"
+            "drafter = random_drafter(drafter_config_for(tiny_target_config()))\n"
+            "print(cpu.cpu_kernel(), cpu.unavailable_reason(), drafter.uses_cpu_kernels(torch.zeros(1), drafter.new_cache(1, 1)))\n")
+    env = {**os.environ, cpu.DISABLE_VARIABLE: "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["None", f"{cpu.DISABLE_VARIABLE}=0", "False"]
