@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-from trtllm_dflash.models.drafter import InferenceWeights
+from trtllm_dflash.models.drafter_weights import InferenceWeights
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
 from trtllm_dflash.models.linear import fbgemm_fp16
 from trtllm_dflash.models.target import (GptOssTarget, attention_bias, causal_mask, compact_copy, fused_attention,
