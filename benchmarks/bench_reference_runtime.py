@@ -6,6 +6,7 @@ vs autoregressive, same prompts, one process.
                                                  [--threads N] [--sa-thresholds 2,3,4] [--adaptive]
                                                  [--sa-max-drafts N]
                                                  [--drafter-gemm-dtype D] [--also-drafter-gemm-dtype D]
+                                                 [--also-torch-drafter]
 
 Pair: --target/--drafter, else the embedded default pair with its held-out prompts, else (with
 --random) a random pair at the embedded scale, where acceptance is meaningless and the numbers
@@ -21,7 +22,9 @@ block-bound rows reading its first K), and n-gram with N drafts (ngram-kN) besid
 DFlash and dflash-sa rows run the drafter step's GEMMs as `dflash-run --drafter-gemm-dtype` would
 (`--drafter-gemm-dtype`, default auto); with --also-drafter-gemm-dtype D, every such row is also run
 with them in D (`DFlashProposer(matmul_dtype=...)`; rows suffixed -D, adaptive ones with their own
-step costs). With --suffix-priors P,..., the widest adaptive dflash-sa row also runs with each of these
+step costs). With --also-torch-drafter, every such row also runs on a second copy of the drafter kept on its
+torch formulation (`use_cpu_kernel = False`; rows suffixed -torch): the compiled CPU draft-step kernels'
+effect, side by side. With --suffix-priors P,..., the widest adaptive dflash-sa row also runs with each of these
 priors for its suffix drafts' untried positions instead of `SOURCE_PRIORS`' (rows suffixed -pP, the same
 step costs).
 """
@@ -88,6 +91,8 @@ def main() -> None:
                         help="as dflash-run's option of that name, for the DFlash and dflash-sa rows")
     parser.add_argument("--also-drafter-gemm-dtype", choices=DRAFTER_GEMM_DTYPES[1:],
                         help="add DFlash and dflash-sa rows (suffixed with it) whose drafter GEMMs run in this dtype")
+    parser.add_argument("--also-torch-drafter", action="store_true",
+                        help="add DFlash and dflash-sa rows (suffixed -torch) whose drafter runs without the compiled CPU kernels")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -104,6 +109,7 @@ def main() -> None:
         dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
         target = GptOssTarget(load_hf_gpt_oss(target_dir, args.device, dtype))
         drafter = load_drafter(drafter_dir, args.device, dtype)
+        torch_drafter = load_drafter(drafter_dir, args.device, dtype) if args.also_torch_drafter else None
         if args.prompts_file:
             tokenizer = load_tokenizer(target_dir)
             texts = read_prompts_file(args.prompts_file)[: args.prompts]
@@ -123,15 +129,18 @@ def main() -> None:
         runtimes[f"ngram-k{longest}"] = ReferenceRuntime(target, NGramProposer(num_drafts=longest))
     policies: dict[str, AdaptiveDraftLength] = {}
     first_threshold = int(args.sa_thresholds.split(",")[0])
-    gemm_choices = [(args.drafter_gemm_dtype, "")]
+    variants = [(args.drafter_gemm_dtype, drafter, "")]  # (GEMM dtype choice, drafter, row suffix)
     if args.also_drafter_gemm_dtype:
-        gemm_choices.append((args.also_drafter_gemm_dtype, f"-{args.also_drafter_gemm_dtype}"))
-    for choice, suffix in gemm_choices:
+        variants.append((args.also_drafter_gemm_dtype, drafter, f"-{args.also_drafter_gemm_dtype}"))
+    if torch_drafter is not None:
+        torch_drafter.use_cpu_kernel = False
+        variants.append((args.drafter_gemm_dtype, torch_drafter, "-torch"))
+    for choice, model, suffix in variants:
         matmul_dtype = drafter_gemm_dtype(choice, dtype, torch.device(args.device))
         print(f"drafter GEMMs{suffix or ' (plain rows)'}: {str(matmul_dtype or dtype).removeprefix('torch.')}")
 
         def dflash(**kwargs) -> DFlashProposer:
-            return DFlashProposer(drafter, target, matmul_dtype=matmul_dtype, **kwargs)
+            return DFlashProposer(model, target, matmul_dtype=matmul_dtype, **kwargs)
 
         runtimes[f"dflash{suffix}"] = ReferenceRuntime(target, dflash())
         for extra in (int(x) for x in args.dflash_blocks.split(",") if x):

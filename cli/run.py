@@ -219,6 +219,7 @@ class RuntimeSetup(NamedTuple):
     runtimes: list  # [main] or [main, autoregressive baseline]
     drafter_gemm_dtype: torch.dtype | None  # None without a drafter
     expert_dtype: str | None  # what the reference runtime's MoE reads; None on TensorRT-LLM
+    drafter_cpu_kernels: bool | None  # whether the drafter runs the compiled CPU kernels; None without a drafter
 
 
 def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, drafter_dir: Path, draft: DraftMethod,
@@ -237,7 +238,7 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
         runtime = TrtllmRuntime(engine_root)
         for warning in runtime.warnings:
             click.echo(f"note: {warning}", err=True)
-        return RuntimeSetup([runtime], None, None)
+        return RuntimeSetup([runtime], None, None, None)
     from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
     from trtllm_dflash.models.drafter import load_drafter
     from trtllm_dflash.models.drafter_config import DFlashConfig
@@ -251,12 +252,12 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
     width = block_size or DFlashConfig.from_json(drafter_dir / "config.json").block_size
     experts = expert_storage(target, expert_dtype, batch_size, width)  # before the adaptive policy times steps
     if draft.method == "ngram":
-        proposer, gemm_dtype = NGramProposer(num_drafts=width - 1), None
+        proposer, gemm_dtype, cpu_kernels = NGramProposer(num_drafts=width - 1), None, None
     else:
         hybrid = draft.method == "dflash-sa"
         drafter = load_drafter(drafter_dir, torch_device, torch_dtype)
         matmul_dtype = drafter_gemm_dtype(drafter_gemm, torch_dtype, torch_device)
-        gemm_dtype = matmul_dtype or torch_dtype
+        gemm_dtype, cpu_kernels = matmul_dtype or torch_dtype, drafter.uses_cpu_kernels()
         policy = (adaptive_policy(target, drafter, block_size, batch_size, matmul_dtype, draft.sa_max_drafts)
                   if draft_length == "adaptive" else None)
         dflash = DFlashProposer(drafter, target, block_size, matmul_dtype=matmul_dtype,
@@ -266,7 +267,7 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
     runtimes = [ReferenceRuntime(target, proposer, draft_len_schedule=schedule)]
     if with_baseline:
         runtimes.append(ReferenceRuntime(target, None))
-    return RuntimeSetup(runtimes, gemm_dtype, experts)
+    return RuntimeSetup(runtimes, gemm_dtype, experts, cpu_kernels)
 
 
 def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int, stream: StreamPrinter | None):
@@ -455,7 +456,8 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
                              sa_max_drafts=draft.sa_max_drafts,
                              draft_length=draft_length,
                              drafter_gemm_dtype=None if gemm_dtype is None else str(gemm_dtype).removeprefix("torch."),
-                             expert_dtype=setup.expert_dtype, backend=chosen, threads=torch.get_num_threads(),
+                             expert_dtype=setup.expert_dtype, drafter_cpu_kernels=setup.drafter_cpu_kernels,
+                             backend=chosen, threads=torch.get_num_threads(),
                              repeats=repeats)
     if as_json:
         for record in [*records, summary]:

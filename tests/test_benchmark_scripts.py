@@ -18,9 +18,9 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 # script, arguments, what its output must show
 CASES = {
     "bench_reference_runtime": (["--prompts", "2", "--max-tokens", "8", "--repeats", "1", "--adaptive",
-                                 "--sa-max-drafts", "11", "--suffix-priors", "0.5"],
-                                [r"^(autoregressive|ngram|ngram-k11|dflash|dflash-sa2|dflash-sa2-s11|dflash-adapt|"
-                                 r"dflash-sa2-adapt|dflash-sa2-s11-adapt|dflash-sa2-s11-adapt-p0.5) .* 2/2$"]),
+                                 "--sa-max-drafts", "11", "--suffix-priors", "0.5", "--also-torch-drafter"],
+                                [r"^(autoregressive|ngram|ngram-k11|(dflash|dflash-sa2|dflash-sa2-s11|dflash-adapt|"
+                                 r"dflash-sa2-adapt|dflash-sa2-s11-adapt|dflash-sa2-s11-adapt-p0.5)(-torch)?) .* 2/2$"]),
     "bench_step_costs": (["--prompts", "2", "--max-tokens", "8", "--repeats", "1", "--batch-sizes", "1,2"],
                          [r"^batch 1: .*DFlash 2/2, AR 2/2, generate 2/2$", r"^batch 2: .*DFlash 2/2, AR 2/2, generate 2/2$",
                           r"^drafter step "]),
@@ -49,6 +49,6 @@ def test_benchmark_script_runs_to_its_report(script):
         matches = re.findall(pattern, done.stdout, flags=re.MULTILINE)
         assert matches, f"{script}: no line matches {pattern!r} in:\n{done.stdout[-3000:]}"
     if script == "bench_reference_runtime":  # every method's row, each lossless
-        assert len(re.findall(CASES[script][1][0], done.stdout, flags=re.MULTILINE)) == 10
+        assert len(re.findall(CASES[script][1][0], done.stdout, flags=re.MULTILINE)) == 17
     if script == "bench_drafter_quant":
         assert len(re.findall(CASES[script][1][0], done.stdout, flags=re.MULTILINE)) == 3

@@ -154,6 +154,18 @@ def test_drafter_gemm_dtype_is_lossless_and_reported(tiny_pair, choice, expected
     assert summary["drafter_gemm_dtype"] == expected
 
 
+@pytest.mark.parametrize("method", ["dflash", "ngram"])
+def test_the_summary_says_whether_the_drafter_ran_the_compiled_cpu_kernels(tiny_pair, method):
+    from trtllm_dflash.plugins.draft_block.cpu import cpu_kernel
+
+    target, drafter = tiny_pair
+    result = invoke("--target", target, "--drafter", drafter, "--prompt", "abcabc", "--max-tokens", 6, "--json",
+                    "--draft-method", method)
+    assert result.exit_code == 0, result.output
+    _, summary = json_lines(result)
+    assert summary["drafter_cpu_kernels"] == (None if method == "ngram" else cpu_kernel() is not None)
+
+
 def test_drafter_gemm_dtype_needs_our_drafter():
     from trtllm_dflash.cli.run import check_drafter_gemm
     from trtllm_dflash.errors import InputError

@@ -205,11 +205,11 @@ class DFlashDrafter(nn.Module):
             return BlockLayout(length, attention_bias(visible, groups, dtype), slots)
         return BlockLayout(length, visible, slots)
 
-    def uses_cpu_kernels(self, x: torch.Tensor, cache: KVArena) -> bool:
-        """Whether the lean path runs its layers through the compiled CPU kernels (`compiled_layers`):
-        `use_cpu_kernel`, no plugin, float32 on CPU, a head_dim of whole 16-float vectors, the kernels built."""
+    def uses_cpu_kernels(self) -> bool:
+        """Whether the lean path runs through the compiled CPU kernels (`compiled_layers`): `use_cpu_kernel`, no
+        plugin, a float32 drafter on the CPU (its arena too), a head_dim of whole 16-float vectors, the kernels built."""
         return (self.use_cpu_kernel and not self.use_plugin and self.config.head_dim % 16 == 0
-                and serves(x, cache.keys))
+                and serves(self.fc.weight))
 
     def bypassed_modules_hooked(self) -> bool:
         """A forward hook on a projection the fused weights bypass (calibration records their inputs)."""
@@ -247,7 +247,7 @@ class DFlashDrafter(nn.Module):
                 cache.write(i, positions, k.transpose(1, 2), v.transpose(1, 2))
             return
         w = self.inference_weights(matmul_dtype)
-        compiled = self.uses_cpu_kernels(features, cache)
+        compiled = self.uses_cpu_kernels()
         fused = self.fused_features(w, features, compiled)
         b, n, _ = fused.shape
         kv = w.context_kv(fused).view(b, n, 2, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
@@ -303,7 +303,7 @@ class DFlashDrafter(nn.Module):
             self.write_context(*context, cache, matmul_dtype)
             context = None
         n = 0 if context is None else context[0].shape[1]
-        compiled = lean and self.uses_cpu_kernels(x, cache)  # its attention needs no mask or block slots
+        compiled = lean and self.uses_cpu_kernels()  # its attention needs no mask or block slots
         if isinstance(block_positions, int):  # no reductions over tensors: a lone request's step is op-bound
             cos, sin = self.rotary.span(block_positions - n, n + width, x.dtype, x.device)
             block = None if compiled else self.block_layout(context_lens, width, x.dtype, block_positions + width)
