@@ -13,10 +13,12 @@ import torch
 from torch.nn import functional as F
 
 from trtllm_dflash.models.drafter import DFlashDrafter, normed_rotated
-from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, tiny_target_config
-from trtllm_dflash.models.target import lean_rms_norm
+from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
+from trtllm_dflash.models.target import GptOssTarget, lean_rms_norm
 from trtllm_dflash.plugins.draft_block import cpu
 from trtllm_dflash.plugins.draft_block.reference import draft_block_attention_reference
+from trtllm_dflash.runtime.proposers import DFlashProposer
+from trtllm_dflash.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(cpu.cpu_kernel() is None, reason=f"kernels not built: {cpu.unavailable_reason()}")
 
@@ -157,3 +159,25 @@ def test_disabled_kernels_leave_the_torch_path():
     env = {**os.environ, cpu.DISABLE_VARIABLE: "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["None", f"{cpu.DISABLE_VARIABLE}=0", "False"]
+
+
+def test_greedy_drafts_and_their_confidence_match_the_torch_path():
+    """The proposer's greedy step through the kernels (argmax and softmax peak in one pass) drafts what the
+    torch path drafts, with the same confidences."""
+    config = tiny_target_config()
+    target = GptOssTarget(random_target(config, seed=1))
+    drafter = random_drafter(drafter_config_for(config, num_layers=2, block_size=4), seed=2)
+    prompt = torch.randint(2, 250, (1, 12), generator=torch.Generator().manual_seed(7))
+
+    def run(model):
+        proposer = DFlashProposer(model, target)
+        proposer.keep_confidence = True
+        cache = target.new_cache(1, 40)
+        _, features = target(prompt, torch.arange(12)[None], cache, proposer.feature_layers)
+        proposer.start(features, torch.tensor([12]), 40)
+        drafts, q = proposer.draft(torch.tensor([5]), torch.tensor([12]), 3, SamplingParams(), torch.Generator())
+        return drafts, q, proposer.confidence
+
+    (drafts, q, confidence), (expected_drafts, expected_q, expected_confidence) = compiled_and_torch(drafter, run)
+    assert torch.equal(drafts, expected_drafts) and q is None and expected_q is None
+    torch.testing.assert_close(confidence, expected_confidence, rtol=1e-5, atol=1e-6)

@@ -1,12 +1,13 @@
-"""The draft-block attention as a compiled CPU kernel (``cpu_kernel.cpp``), built on first use.
+"""The drafter step's work between its GEMMs as compiled CPU kernels (``cpu_kernel.cpp``), built on first use.
 
 On a small drafter a CPU step is bound by the count of tensor ops torch eager dispatches, so the
-drafter's lean path hands each layer's QK-norm, RoPE and block attention to this one call where it
-loads (float32, head_dim a multiple of 16). It is built with torch's C++ extension loader (a C++
+drafter's lean path hands each layer's QK-norm + RoPE + block attention, its residual adds with the
+next RMSNorm and its SiLU-and-multiply to one call each, and so do the context K/V writes and the greedy
+drafts (float32; head_dim a multiple of 16). The file is built with torch's C++ extension loader (a C++
 compiler and ninja, which this project's machines have) into a per-user cache, once per source, CPU,
-torch and Python version, and takes a few seconds to load after that. Where it cannot be built (no
-toolchain) or ``TRTLLM_DFLASH_CPU_KERNEL=0`` is set, ``cpu_kernel()`` returns None and the drafter
-runs its torch formulation; ``unavailable_reason()`` says why. Its numbers are the reference's to
+torch and Python version, and takes a fraction of a second to load after that. Where it cannot be built
+(no toolchain) or ``TRTLLM_DFLASH_CPU_KERNEL=0`` is set, ``cpu_kernel()`` returns None and the drafter
+runs its torch formulation; ``unavailable_reason()`` says why. Their numbers are the torch path's to
 float32 rounding (tests/test_draft_block_cpu.py), not bit for bit: drafts need not be exact.
 """
 
@@ -54,7 +55,8 @@ def build_directory() -> Path:
 
 @functools.cache
 def cpu_kernel() -> ModuleType | None:
-    """The compiled module (its ``draft_block_attention``), or None where it is disabled or cannot be built."""
+    """The compiled module (the functions the wrappers below call), or None where it is disabled or cannot be
+    built."""
     global _failure
     if os.environ.get(DISABLE_VARIABLE, "1") == "0":
         _failure = f"{DISABLE_VARIABLE}=0"

@@ -1,17 +1,18 @@
-// The draft-block attention on CPU, float32, one call per layer (see reference.py for the semantics).
+// The drafter step's work between its GEMMs, on CPU in float32, one call each (plugins/draft_block/cpu.py
+// builds and loads this file; reference.py defines the attention's semantics).
 //
-// Why a compiled kernel: on a small drafter a CPU step is bound by the count of tensor ops, not by
-// arithmetic; this one call replaces the ~15 ops a layer's QK-norm, RoPE, arena write/read and
-// attention took in torch eager. With `q_norm` given, it also applies the layer's QK-norm (RMSNorm over
-// each head, times the weight) and the rotation by cos/sin (`rope.rotate`: x * cos + roll(x, D/2) * sin,
-// sin signed) to q and k_blk first, so the raw q/k/v GEMM output goes in as strided views.
-// The block's K/V stay in this call: the arena is only read, on [0, ctx_lens[i]).
+// Why compiled: on a small drafter a CPU step is bound by the count of tensor ops torch eager dispatches,
+// not by arithmetic. `draft_block_attention` replaces the ~15 ops a layer's QK-norm, RoPE, arena write/read
+// and attention took: with `q_norm` given it applies the layer's QK-norm (RMSNorm over each head, times the
+// weight) and the rotation by cos/sin (`rope.rotate`: x * cos + roll(x, D/2) * sin, sin signed) to q and k_blk
+// first, so the raw q/k/v GEMM output goes in as strided views, and the block's K/V stay in the call (the
+// arena is only read, on [0, ctx_lens[i])). The others fuse a residual add with the next RMSNorm, SwiGLU's
+// gate, the committed tokens' context K/V writes and the greedy drafts with their confidence.
 
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -105,7 +106,9 @@ torch::Tensor draft_block_attention(torch::Tensor q, torch::Tensor k_blk, torch:
   TORCH_CHECK(normed == k_norm.has_value() && normed == cos.has_value() && normed == sin.has_value(),
               "give q_norm, k_norm, cos and sin together, or none of them");
   if (normed) {
-    for (const auto* t : {&*q_norm, &*k_norm}) TORCH_CHECK(t->numel() == d && t->is_contiguous(), "norm weights must be [D]");
+    for (const auto* t : {&*q_norm, &*k_norm})
+      TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->numel() == d && t->is_contiguous(),
+                  "norm weights must be float32 [D]");
     check(*cos, "cos", 2);
     check(*sin, "sin", 2);
     TORCH_CHECK(cos->size(0) == rows && cos->size(1) == d && sin->sizes() == cos->sizes(), "cos / sin must be [R, D]");
@@ -393,7 +396,7 @@ std::vector<torch::Tensor> greedy_peak(torch::Tensor logits) {
     for (int64_t l = 0; l < kLanes; ++l) most = std::max(most, lane_max[l]);
     for (int64_t e = whole; e < vocab; ++e) most = std::max(most, row[e]);
     int64_t index = 0;
-    while (index < vocab && !(row[index] == most)) ++index;  // the first maximum (a NaN row gives V)
+    while (index < vocab && !(row[index] == most)) ++index;  // the first maximum (NaNs are skipped)
     f16v lane_sum{};
     for (int64_t e = 0; e < whole; e += kLanes) lane_sum += vexp(load(row + e) - most);
     float total = 0.f;
