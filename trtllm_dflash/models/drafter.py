@@ -128,6 +128,15 @@ class BlockLayout(NamedTuple):
     slots: torch.Tensor | int
 
 
+class StepPlan(NamedTuple):
+    """How the drafter's inference calls run (`DFlashDrafter.plan`), decided once for a stretch in which its
+    parameters, hooks and switches stay as they are (a proposer decides it per generate call: checking them
+    took ~50 us of a drafter step in the loop, where the verify leaves this Python code cold)."""
+
+    weights: InferenceWeights | None  # the lean path's fused weights; None: a hook watches a bypassed module
+    compiled: bool  # whether the lean path runs through the compiled CPU kernels
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
@@ -211,6 +220,12 @@ class DFlashDrafter(nn.Module):
         return (self.use_cpu_kernel and not self.use_plugin and self.config.head_dim % 16 == 0
                 and serves(self.fc.weight))
 
+    def plan(self, matmul_dtype: torch.dtype | None = None) -> StepPlan:
+        """The `StepPlan` for calls with GEMMs in `matmul_dtype` as things stand now."""
+        if self.bypassed_modules_hooked():
+            return StepPlan(None, False)
+        return StepPlan(self.inference_weights(matmul_dtype), self.uses_cpu_kernels())
+
     def bypassed_modules_hooked(self) -> bool:
         """A forward hook on a projection the fused weights bypass (calibration records their inputs)."""
         if self._linears is None:  # walking the module tree each step cost ~50 us
@@ -228,26 +243,26 @@ class DFlashDrafter(nn.Module):
 
     @torch.inference_mode()
     def write_context(self, features: torch.Tensor, positions: torch.Tensor | int, cache: KVArena,
-                      matmul_dtype: torch.dtype | None = None) -> None:
+                      matmul_dtype: torch.dtype | None = None, plan: StepPlan | None = None) -> None:
         """Project target features [b, n, F] of committed tokens at `positions` [b, n] (or, for a lone
         request, the int first position of n consecutive ones) into every layer's context K/V. Done once
         per committed token; never recomputed. All layers at once: fc -> hidden_norm -> one GEMM over
         the stacked k/v weights -> each layer's k_norm -> RoPE.
-        `matmul_dtype`: the GEMMs' dtype (`CastLinear`; None: the parameters')."""
+        `matmul_dtype`: the GEMMs' dtype (`CastLinear`; None: the parameters'); `plan`: `plan(matmul_dtype)`
+        where the caller holds it."""
         cfg = self.config
         features = cast(features, self.dtype)
         if isinstance(positions, int):
             cos, sin = self.rotary.span(positions, features.shape[1], self.dtype, features.device)
         else:  # positions index the arena, so they lie below its capacity: no reduction to bound the table
             cos, sin = self.rotary(positions, self.dtype, cache.capacity)
-        if self.bypassed_modules_hooked():
+        w, compiled = plan or self.plan(matmul_dtype)
+        if w is None:
             fused = self.hidden_norm(self.fc(features))
             for i, layer in enumerate(self.layers):
                 k, v = layer.self_attn.keys_values(fused, cos, sin)
                 cache.write(i, positions, k.transpose(1, 2), v.transpose(1, 2))
             return
-        w = self.inference_weights(matmul_dtype)
-        compiled = self.uses_cpu_kernels()
         fused = self.fused_features(w, features, compiled)
         b, n, _ = fused.shape
         kv = w.context_kv(fused).view(b, n, 2, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
@@ -280,7 +295,8 @@ class DFlashDrafter(nn.Module):
     @torch.inference_mode()
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor | int, cache: KVArena,
                 context_lens: torch.Tensor, matmul_dtype: torch.dtype | None = None,
-                context: tuple[torch.Tensor, torch.Tensor | int] | None = None) -> torch.Tensor:
+                context: tuple[torch.Tensor, torch.Tensor | int] | None = None,
+                plan: StepPlan | None = None) -> torch.Tensor:
         """Draft one block per request: embeds [b, B, H] at positions [b, B] (or, for a lone request, the
         int position of its anchor, which is its context length); request i sees its context positions
         [0, context_lens[i]). Returns the final-normed hidden states [b, B, H].
@@ -289,6 +305,7 @@ class DFlashDrafter(nn.Module):
         `write_context` takes them (`context_lens` already counts them; for a lone request the int
         positions must be too). The lean path computes them in the first layer's q/k/v GEMM, stacked
         under the block's rows: one GEMM, norm and rotation less a step (5% of a drafter step, round 12).
+        `plan`: `plan(matmul_dtype)` where the caller holds it.
 
         The block's K/V go to arena slots [context_lens[i], context_lens[i] + B) (the cache must have
         room for them), which hold no context: the next `write_context` overwrites them."""
@@ -298,12 +315,13 @@ class DFlashDrafter(nn.Module):
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         if context is not None and context[0].shape[1] == 0:
             context = None
-        lean = not self.bypassed_modules_hooked()
+        plan = plan or self.plan(matmul_dtype)
+        w, compiled = plan  # the compiled attention needs no mask or block slots
+        lean = w is not None
         if context is not None and not lean:
-            self.write_context(*context, cache, matmul_dtype)
+            self.write_context(*context, cache, matmul_dtype, plan)
             context = None
         n = 0 if context is None else context[0].shape[1]
-        compiled = lean and self.uses_cpu_kernels()  # its attention needs no mask or block slots
         if isinstance(block_positions, int):  # no reductions over tensors: a lone request's step is op-bound
             cos, sin = self.rotary.span(block_positions - n, n + width, x.dtype, x.device)
             block = None if compiled else self.block_layout(context_lens, width, x.dtype, block_positions + width)
@@ -314,7 +332,6 @@ class DFlashDrafter(nn.Module):
         if not lean:
             return self.run_layers(x, cos, sin, lambda i, q, k, v: self.block_attention(
                 i, q, k.transpose(1, 2), v.transpose(1, 2), cache, context_lens, block))
-        w = self.inference_weights(matmul_dtype)
         if compiled:
             return self.compiled_layers(w, x, context, cache, context_lens, cos, sin)
         cos, sin = cos[:, :, None], sin[:, :, None]

@@ -86,9 +86,11 @@ class DFlashProposer:
 
     def start(self, features, prompt_lens, capacity):
         """Sizes every per-step buffer once: the draft arena (context plus one block of scratch), the
-        block of tokens (mask ids after the anchor column) and the column offsets; and writes the prompts'
-        context K/V, the drafter's prefill (so a step's cost does not depend on whether it is the first)."""
+        block of tokens (mask ids after the anchor column) and the column offsets; decides how the drafter
+        runs (`DFlashDrafter.plan`); and writes the prompts' context K/V, the drafter's prefill (so a step's
+        cost does not depend on whether it is the first)."""
         batch, device = len(prompt_lens), prompt_lens.device
+        self.plan = self.drafter.plan(self.matmul_dtype)  # the drafter stays as it is for this generate call
         self.cache = self.drafter.new_cache(batch, capacity)
         self.context_lens = torch.zeros_like(prompt_lens)
         self.pending, self.pending_lens = features, prompt_lens.clone()
@@ -118,7 +120,7 @@ class DFlashProposer:
         forward)."""
         features, positions, _ = self.take_pending()
         if features.shape[1]:
-            self.drafter.write_context(features, positions, self.cache, self.matmul_dtype)
+            self.drafter.write_context(features, positions, self.cache, self.matmul_dtype, self.plan)
 
     def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
         drafting = num_drafts > 0 if self.policy is None else self.policy.choose("neural", num_drafts) > 0
@@ -147,9 +149,9 @@ class DFlashProposer:
         block[:, 0] = anchors
         positions = anchor_positions[:, None] + self.columns[:width] if lone_anchor is None else lone_anchor
         hidden = self.drafter(self.target.embed(block), positions, self.cache, self.context_lens, self.matmul_dtype,
-                              context=(features, context_positions))
+                              context=(features, context_positions), plan=self.plan)
         logits = self.draft_logits(hidden[:, 1:])
-        if params.greedy and self.drafter.use_cpu_kernel and serves(logits):  # one pass instead of two or three ops
+        if params.greedy and self.plan.compiled and serves(logits):  # one pass instead of two or three ops
             tokens, peak = greedy_peak_cpu(logits)
             if self.keep_confidence:
                 self.confidence = peak
