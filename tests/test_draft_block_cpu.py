@@ -10,6 +10,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn import functional as F
 
 from trtllm_dflash.models.drafter import DFlashDrafter, normed_rotated
@@ -64,6 +66,21 @@ def test_attention_matches_the_float64_reference(lens, block, hq, hkv, d, window
     got = cpu.draft_block_attention_cpu(q, k, v, ctx_k, ctx_v, ctx_lens, scale, window, prologue, 1e-5)
     q, k = (normed_rotated(x, w, cos[:, None], sin[:, None], 1e-5).double() for x, w in ((q, q_norm), (k, k_norm)))
     expected = draft_block_attention_reference(q, k, v.double(), ctx_k.double(), ctx_v.double(), ctx_lens, scale, window)
+    torch.testing.assert_close(got.double().view_as(expected), expected, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 3), block=st.integers(1, 9), hkv=st.integers(1, 3),
+       group=st.integers(1, 4), d=st.sampled_from([16, 32, 64]), window=st.one_of(st.none(), st.integers(1, 40)))
+def test_attention_fuzzed_against_the_float64_reference(data, batch, block, hkv, group, d, window):
+    """Any lengths in [0, 30] (full arenas included), blocks of one slot, windows down to 1, odd tiles."""
+    lens = data.draw(st.lists(st.integers(0, 30), min_size=batch, max_size=batch))
+    q, k, v, ctx_k, ctx_v, ctx_lens, prologue = block_case(lens, block, hkv * group, hkv, d, seed=len(lens))
+    ctx_k, ctx_v = ctx_k[:, :, : max(lens)], ctx_v[:, :, : max(lens)]  # the longest context fills its arena row
+    got = cpu.draft_block_attention_cpu(q, k, v, ctx_k, ctx_v, ctx_lens, 0.3, window, prologue, 1e-5)
+    q_norm, k_norm, cos, sin = prologue
+    q, k = (normed_rotated(x, w, cos[:, None], sin[:, None], 1e-5).double() for x, w in ((q, q_norm), (k, k_norm)))
+    expected = draft_block_attention_reference(q, k, v.double(), ctx_k.double(), ctx_v.double(), ctx_lens, 0.3, window)
     torch.testing.assert_close(got.double().view_as(expected), expected, rtol=1e-5, atol=1e-5)
 
 
