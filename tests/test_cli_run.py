@@ -156,7 +156,9 @@ def test_drafter_gemm_dtype_is_lossless_and_reported(tiny_pair, choice, expected
 
 @pytest.mark.parametrize("method", ["dflash", "ngram"])
 def test_the_summary_says_whether_the_drafter_ran_the_compiled_cpu_kernels(tiny_pair, method):
+    """And whether the target's MoE ran the compiled one (the tiny target's float32 experts: where it builds)."""
     from trtllm_dflash.plugins.draft_block.cpu import cpu_kernel
+    from trtllm_dflash.plugins.moe.cpu import moe_kernel
 
     target, drafter = tiny_pair
     result = invoke("--target", target, "--drafter", drafter, "--prompt", "abcabc", "--max-tokens", 6, "--json",
@@ -164,6 +166,7 @@ def test_the_summary_says_whether_the_drafter_ran_the_compiled_cpu_kernels(tiny_
     assert result.exit_code == 0, result.output
     _, summary = json_lines(result)
     assert summary["drafter_cpu_kernels"] == (None if method == "ngram" else cpu_kernel() is not None)
+    assert summary["target_moe_kernel"] == (moe_kernel() is not None)
 
 
 def test_drafter_gemm_dtype_needs_our_drafter():

@@ -3,78 +3,27 @@
 On a small drafter a CPU step is bound by the count of tensor ops torch eager dispatches, so the
 drafter's lean path hands each layer's QK-norm + RoPE + block attention, its residual adds with the
 next RMSNorm and its SiLU-and-multiply to one call each, and so do the context K/V writes and the greedy
-drafts (float32; head_dim a multiple of 16). The file is built with torch's C++ extension loader (a C++
-compiler and ninja, which this project's machines have) into a per-user cache, once per source, CPU,
-torch and Python version, and takes a fraction of a second to load after that. Where it cannot be built
-(no toolchain) or ``TRTLLM_DFLASH_CPU_KERNEL=0`` is set, ``cpu_kernel()`` returns None and the drafter
-runs its torch formulation; ``unavailable_reason()`` says why. Their numbers are the torch path's to
-float32 rounding (tests/test_draft_block_cpu.py), not bit for bit: drafts need not be exact.
+drafts (float32; head_dim a multiple of 16). How the source is built and when it is not: `plugins/compiled.py`;
+where ``cpu_kernel()`` returns None the drafter runs its torch formulation. Their numbers are the torch path's
+to float32 rounding (tests/test_draft_block_cpu.py), not bit for bit: drafts need not be exact.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
-import platform
-import sys
-import warnings
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
-DISABLE_VARIABLE = "TRTLLM_DFLASH_CPU_KERNEL"
-_failure: str | None = None
+from ..compiled import DISABLE_VARIABLE, CompiledKernel
+
+KERNEL = CompiledKernel(Path(__file__).with_name("cpu_kernel.cpp"), "dflash_draft_block_cpu",
+                        "compiled CPU draft-step kernels", "the drafter runs its torch formulation")
 
 
-def cpu_flags() -> str:
-    """The CPU's feature flags (the build uses -march=native, so a binary must not move to another CPU)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def build_name() -> str:
-    key = [cpu_flags(), torch.__version__, sys.implementation.cache_tag]  # a build serves one CPU, torch and Python
-    digest = hashlib.sha256(SOURCE.read_bytes() + "\n".join(key).encode()).hexdigest()
-    return f"dflash_draft_block_cpu_{digest[:12]}"
-
-
-def build_directory() -> Path:
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    directory = root / "trtllm_dflash" / build_name()
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
-
-
-@functools.cache
-def cpu_kernel() -> ModuleType | None:
+def cpu_kernel():
     """The compiled module (the functions the wrappers below call), or None where it is disabled or cannot be
     built."""
-    global _failure
-    if os.environ.get(DISABLE_VARIABLE, "1") == "0":
-        _failure = f"{DISABLE_VARIABLE}=0"
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        directory = build_directory()
-        if not (directory / f"{build_name()}.so").is_file():  # the one slow start a machine sees: say so
-            print(f"building the compiled CPU draft-step kernels in {directory} (once per machine, about 20 s)",
-                  file=sys.stderr, flush=True)
-        return load(build_name(), [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
-                    build_directory=str(directory), verbose=False)
-    except Exception as exc:  # a missing compiler or ninja surfaces as RuntimeError, OSError, or a build error
-        _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
-        warnings.warn(f"the compiled CPU draft-block kernel is unavailable ({_failure}); the drafter runs its "
-                      "torch formulation", RuntimeWarning, stacklevel=2)
-        return None
+    return KERNEL.module()
 
 
 def serves(*tensors: torch.Tensor) -> bool:
@@ -84,7 +33,7 @@ def serves(*tensors: torch.Tensor) -> bool:
 
 def unavailable_reason() -> str | None:
     """Why `cpu_kernel()` returned None (None while it loads, or before it was asked)."""
-    return _failure
+    return KERNEL.unavailable_reason()
 
 
 def draft_block_attention_cpu(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, ctx_k: torch.Tensor,

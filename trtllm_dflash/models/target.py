@@ -15,8 +15,10 @@ them exactly, `exact_dtype`), RMSNorm is one layer_norm kernel on CPU (`lean_rms
 q and k in one go, each step builds one additive mask per window kind for all layers,
 attention is one fused kernel on CPU, and the MoE multiplies only the experts a block routes to
 (`routed_experts`), reading them as float32 or, where the checkpoint's experts allow, from exact bf16
-copies (`compact_copy`) or fbgemm's float16 ones (`half_copies`); which is fastest depends on the
-machine, so the runtime times them at start-up: `use_expert_storage`, `runtime/tuning.py`.
+copies (`compact_copy`) or fbgemm's float16 ones (`half_copies`); the float32 and bf16 ones through one
+call of the compiled CPU MoE kernel after the router where it builds (`plugins/moe/cpu.py`), the float16
+ones through a GEMM per routed expert. Which is fastest depends on the machine, so the runtime times them
+at start-up: `use_expert_storage`, `runtime/tuning.py`.
 Where a forward hook watches a bypassed module (calibration), that module is called as it is.
 
 Feature convention: target layer id `i` means the OUTPUT of decoder layer `i` (0-based), i.e.
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..plugins.moe import cpu as moe_cpu
 from .kv_cache import KVArena
 from .linear import CastLinear, cast, exact_dtype, exact_half, half_gemm
 from .rope import Rotary, rotate
@@ -136,17 +139,22 @@ ExpertMatrices = torch.Tensor | list  # [E, in, out], or per expert fbgemm's pac
 
 
 def routed_experts(x: torch.Tensor, mlp: nn.Module, gate_up_proj: ExpertMatrices | None = None,
-                   down_proj: ExpertMatrices | None = None) -> torch.Tensor:
+                   down_proj: ExpertMatrices | None = None, compiled: bool = False) -> torch.Tensor:
     """transformers' GptOssMLP on tokens x [n, H]: the same router, the same grouped formulation (rows
     sorted by expert, biases and routing weights applied alike, the top-k outputs summed in order),
     hence the same numbers, but each GEMM covers only an expert that some token routes to. On CPU
     transformers' grouped_mm multiplies every expert (empty groups included) with extra ops per call.
 
-    `gate_up_proj` / `down_proj`: the experts' weights in another storage (`expert_gemm`)."""
+    `gate_up_proj` / `down_proj`: the experts' weights in another storage (`expert_gemm`). `compiled`: after
+    the router, one call of the compiled CPU MoE kernel where it takes these weights (`plugins/moe/cpu.py`:
+    float32 or bf16 tensors, not fbgemm's copies), the same numbers up to float32 summation order."""
     experts = mlp.experts
     gate_up_proj = experts.gate_up_proj if gate_up_proj is None else gate_up_proj
     down_proj = experts.down_proj if down_proj is None else down_proj
     _, scores, indices = mlp.router(x)
+    if compiled and moe_cpu.serves(x, gate_up_proj, down_proj):
+        return moe_cpu.routed_experts_cpu(x, indices, scores, gate_up_proj, experts.gate_up_proj_bias, down_proj,
+                                          experts.down_proj_bias, experts.alpha, experts.limit)
     top_k = indices.shape[1]
     expert_ids, order = torch.sort(indices.reshape(-1))
     rows = x[order // top_k]
@@ -256,6 +264,7 @@ class GptOssTarget(nn.Module):
         if all(copy is not None for pair in half for copy in pair):
             self.expert_storages["float16"] = half
         self.use_expert_storage(next(iter(self.expert_storages)))
+        self.use_moe_kernel = True  # False: the MoE's torch formulation even where the compiled kernel serves
         head = hf_model.lm_head
         self.head = CastLinear(head.weight, head.bias, exact_dtype(head.weight))
 
@@ -264,6 +273,13 @@ class GptOssTarget(nn.Module):
         the same to float32 rounding from the float16 ones."""
         self.expert_weights = self.expert_storages[name]  # per layer (gate_up, down)
         self.expert_storage = name
+
+    def uses_moe_kernel(self, storage: str | None = None) -> bool:
+        """Whether the lean path's MoE runs the compiled CPU kernel: `use_moe_kernel`, and the kernel takes the
+        experts' storage `storage` (default: the current one; `moe_cpu.serves`)."""
+        gate_up, down = self.expert_storages[storage][0] if storage else self.expert_weights[0]
+        probe = torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device)
+        return self.use_moe_kernel and moe_cpu.serves(probe, gate_up, down)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -347,7 +363,8 @@ class GptOssTarget(nn.Module):
             x = x + self.attention(i, h, cos, sin, positions, cache, kv_len, masks[self.windows[i]])
             h = rms_norm(x, layer.post_attention_layernorm, post_attention_norm)
             if lean and not hooked(layer.mlp.experts):
-                x = x + routed_experts(h.view(b * t, -1), layer.mlp, *self.expert_weights[i]).view(b, t, -1)
+                x = x + routed_experts(h.view(b * t, -1), layer.mlp, *self.expert_weights[i],
+                                       compiled=self.use_moe_kernel).view(b, t, -1)
             else:
                 x = x + layer.mlp(h)[0]
             if i in feature_layers:

@@ -1,0 +1,78 @@
+"""The project's compiled CPU kernels: C++ sources built on first use by torch's C++ extension loader.
+
+A source is built (a C++ compiler and ninja, which this project's machines have) into a per-user cache,
+once per source, CPU, torch and Python version, and takes a fraction of a second to load after that.
+Where it cannot be built (no toolchain) or ``TRTLLM_DFLASH_CPU_KERNEL=0`` is set, `CompiledKernel.module()`
+returns None and its caller runs its torch formulation; `unavailable_reason()` says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+DISABLE_VARIABLE = "TRTLLM_DFLASH_CPU_KERNEL"  # "0": every compiled CPU kernel off
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags (the build uses -march=native, so a binary must not move to another CPU)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+class CompiledKernel:
+    """One C++ source (`source`) built as the extension module `prefix`_<digest>; `what` names it in messages."""
+
+    def __init__(self, source: Path, prefix: str, what: str, fallback: str):
+        self.source, self.prefix, self.what, self.fallback = source, prefix, what, fallback
+        self.failure: str | None = None
+
+    def build_name(self) -> str:
+        key = [cpu_flags(), torch.__version__, sys.implementation.cache_tag]  # a build serves one CPU, torch and Python
+        digest = hashlib.sha256(self.source.read_bytes() + "\n".join(key).encode()).hexdigest()
+        return f"{self.prefix}_{digest[:12]}"
+
+    def build_directory(self) -> Path:
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+        directory = root / "trtllm_dflash" / self.build_name()
+        directory.mkdir(parents=True, exist_ok=True)
+        return directory
+
+    @functools.cache
+    def module(self) -> ModuleType | None:
+        """The compiled module, or None where it is disabled or cannot be built."""
+        if os.environ.get(DISABLE_VARIABLE, "1") == "0":
+            self.failure = f"{DISABLE_VARIABLE}=0"
+            return None
+        try:
+            from torch.utils.cpp_extension import load
+
+            directory, name = self.build_directory(), self.build_name()
+            if not (directory / f"{name}.so").is_file():  # the one slow start a machine sees: say so
+                print(f"building the {self.what} in {directory} (once per machine, about 20 s)", file=sys.stderr,
+                      flush=True)
+            return load(name, [str(self.source)], extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                        build_directory=str(directory), verbose=False)
+        except Exception as exc:  # a missing compiler or ninja surfaces as RuntimeError, OSError, or a build error
+            text = str(exc).strip()
+            self.failure = f"{type(exc).__name__}: {text.splitlines()[-1] if text else exc}"
+            warnings.warn(f"the {self.what} are unavailable ({self.failure}); {self.fallback}", RuntimeWarning,
+                          stacklevel=2)
+            return None
+
+    def unavailable_reason(self) -> str | None:
+        """Why `module()` returned None (None while it loads, or before it was asked)."""
+        return self.failure

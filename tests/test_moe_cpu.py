@@ -1,0 +1,137 @@
+"""The compiled CPU MoE kernel (plugins/moe/cpu_kernel.cpp) against the torch formulation it replaces
+(`routed_experts` without `compiled`), and the target's forward through it against its torch path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+from trtllm_dflash.models.random_pair import random_target, tiny_target_config
+from trtllm_dflash.models.target import GptOssTarget, compact_copy, routed_experts
+from trtllm_dflash.plugins.moe import cpu
+
+pytestmark = pytest.mark.skipif(cpu.moe_kernel() is None, reason=f"kernel not built: {cpu.unavailable_reason()}")
+
+
+def random_mlp(experts: int, top_k: int, hidden: int, intermediate: int, seed: int, std: float = 0.5) -> GptOssMLP:
+    config = tiny_target_config(hidden_size=hidden, intermediate_size=intermediate, experts=experts, top_k=top_k)
+    torch.manual_seed(seed)
+    mlp = GptOssMLP(config).eval()
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=std)
+    with torch.no_grad():  # weights bf16 holds exactly (as MXFP4 experts are), so an exact bf16 copy exists
+        mlp.experts.gate_up_proj.copy_(mlp.experts.gate_up_proj.bfloat16().float())
+        mlp.experts.down_proj.copy_(mlp.experts.down_proj.bfloat16().float())
+    return mlp
+
+
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(1, 20), experts=st.integers(1, 9), top_k=st.integers(1, 4),
+       hidden=st.sampled_from([16, 48, 64]), intermediate=st.sampled_from([16, 32, 80]), seed=st.integers(0, 2**16))
+def test_kernel_equals_the_torch_formulation(tokens, experts, top_k, hidden, intermediate, seed):
+    """Any token count, expert count, top-k and multiple-of-16 sizes: the kernel's sums are
+    the torch formulation's to float32 rounding, from the float32 weights and from their exact bf16 copies
+    alike (bit-identical to each other: the same products in the same order); std 2 drives the SwiGLU's
+    clamps (|gate_up| past the limit 7)."""
+    top_k = min(top_k, experts)
+    mlp = random_mlp(experts, top_k, hidden, intermediate, seed, std=2.0 if seed % 2 else 0.5)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))
+    with torch.inference_mode():
+        expected = routed_experts(x, mlp)
+        from_float32 = routed_experts(x, mlp, compiled=True)
+        copies = compact_copy(mlp.experts.gate_up_proj), compact_copy(mlp.experts.down_proj)
+        assert all(c.dtype == torch.bfloat16 for c in copies)
+        from_bf16 = routed_experts(x, mlp, *copies, compiled=True)
+    assert from_float32.shape == (tokens, hidden) and from_float32.dtype == torch.float32
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(from_float32, expected, rtol=1e-5, atol=2e-6 * max(scale, 1.0))
+    assert torch.equal(from_bf16, from_float32)
+
+
+def test_threads_split_the_experts_and_change_no_number():
+    """With two intra-op threads the experts run in parallel, each on one thread: the same bits as one thread."""
+    mlp = random_mlp(8, 2, 64, 64, seed=4)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(4))
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            with torch.inference_mode():
+                outputs.append(routed_experts(x, mlp, compiled=True))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_the_kernel_serves_only_what_it_takes():
+    """Float32 tokens with float32 or bf16 expert tensors of multiple-of-16 sizes; not fbgemm's packed copies,
+    mixed dtypes, bf16 tokens or other sizes, where the torch formulation runs."""
+    mlp = random_mlp(4, 2, 64, 64, seed=0)
+    gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
+    x = torch.randn(3, 64)
+    assert cpu.serves(x, gate_up, down) and cpu.serves(x, gate_up.bfloat16(), down.bfloat16())
+    assert not cpu.serves(x, [gate_up[0]], down)
+    assert not cpu.serves(x, gate_up.bfloat16(), down)
+    assert not cpu.serves(x.bfloat16(), gate_up, down)
+    odd = random_mlp(4, 2, 24, 64, seed=0)
+    assert not cpu.serves(torch.randn(3, 24), odd.experts.gate_up_proj, odd.experts.down_proj)
+    with torch.inference_mode():  # there `compiled` falls back to the torch formulation: the same numbers
+        y = torch.randn(3, 24)
+        assert torch.equal(routed_experts(y, odd, compiled=True), routed_experts(y, odd))
+
+
+def test_the_kernel_refuses_bad_input():
+    """Indices outside the experts and mismatched shapes are errors, not reads out of bounds."""
+    mlp = random_mlp(4, 2, 32, 32, seed=1)
+    e = mlp.experts
+    x, scores = torch.randn(2, 32), torch.rand(2, 2)
+    with pytest.raises(RuntimeError, match="expert index 4 outside"):
+        cpu.routed_experts_cpu(x, torch.tensor([[0, 4], [1, 2]]), scores, e.gate_up_proj, e.gate_up_proj_bias,
+                               e.down_proj, e.down_proj_bias, e.alpha, e.limit)
+    with pytest.raises(RuntimeError, match="expert shapes"):
+        cpu.routed_experts_cpu(x, torch.tensor([[0, 1], [1, 2]]), scores, e.gate_up_proj[:, :16], e.gate_up_proj_bias,
+                               e.down_proj, e.down_proj_bias, e.alpha, e.limit)
+
+
+def test_the_target_decodes_the_same_tokens_through_the_kernel():
+    """A tiny target's greedy continuation of a batch, step by step over its cache, through the kernel and
+    through the torch formulation: the same tokens, logits equal to float32 rounding; `uses_moe_kernel`
+    says which ran."""
+    target = GptOssTarget(random_target(tiny_target_config(), seed=5))
+    prompt = torch.randint(0, target.vocab_size, (3, 9), generator=torch.Generator().manual_seed(2))
+    runs = {}
+    for compiled in (True, False):
+        target.use_moe_kernel = compiled
+        assert target.uses_moe_kernel() == compiled
+        cache = target.new_cache(3, 40)
+        positions = torch.arange(40).expand(3, -1)
+        logits, _ = target(prompt, positions[:, :9], cache, [])
+        tokens, all_logits = [logits[:, -1].argmax(-1)], [logits]
+        for step in range(9, 39):
+            logits, _ = target(tokens[-1][:, None], positions[:, step: step + 1], cache, [])
+            tokens.append(logits[:, -1].argmax(-1))
+            all_logits.append(logits)
+        runs[compiled] = torch.stack(tokens, 1), all_logits
+    assert torch.equal(runs[True][0], runs[False][0])
+    for got, expected in zip(runs[True][1], runs[False][1]):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_disabled_kernel_leaves_the_torch_path():
+    """TRTLLM_DFLASH_CPU_KERNEL=0: no build, the reason said, the target's MoE on its torch formulation."""
+    code = ("from trtllm_dflash.plugins.moe import cpu\n"
+            "from trtllm_dflash.models.random_pair import random_target, tiny_target_config\n"
+            "from trtllm_dflash.models.target import GptOssTarget\n"
+            "target = GptOssTarget(random_target(tiny_target_config()))\n"
+            "print(cpu.moe_kernel(), cpu.unavailable_reason(), target.uses_moe_kernel())\n")
+    env = {**os.environ, "TRTLLM_DFLASH_CPU_KERNEL": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["None", "TRTLLM_DFLASH_CPU_KERNEL=0", "False"]
