@@ -48,7 +48,7 @@ def step_costs(target, context: int, rounds: int) -> None:
     def step(storage: str, kernel: bool, width: int):
         def run():
             target.use_expert_storage(storage)
-            target.use_moe_kernel = kernel
+            target.use_cpu_kernels = kernel
             target(tokens[next(draws) % len(tokens)][:, :width], positions[:, context: context + width], cache, [])
         return run
 
@@ -65,7 +65,7 @@ def end_to_end(target, prompts, max_tokens: int, repeats: int) -> None:
     runtime = ReferenceRuntime(target, None)
     storages = {}
     for kernel in (True, False):
-        target.use_moe_kernel = kernel
+        target.use_cpu_kernels = kernel
         choose_expert_storage(target, "auto", 1, 8)
         storages[kernel] = target.expert_storage
     runtime.warm_up(prompts[0])
@@ -73,7 +73,7 @@ def end_to_end(target, prompts, max_tokens: int, repeats: int) -> None:
     outputs: dict[bool, list] = {}
     for repeat in range(repeats):
         for kernel in ((True, False) if repeat % 2 == 0 else (False, True)):
-            target.use_moe_kernel = kernel
+            target.use_cpu_kernels = kernel
             target.use_expert_storage(storages[kernel])
             start = time.perf_counter()
             results = runtime.generate(prompts, params, 1)

@@ -102,14 +102,14 @@ def test_the_kernel_refuses_bad_input():
 
 
 def test_the_target_decodes_the_same_tokens_through_the_kernel():
-    """A tiny target's greedy continuation of a batch, step by step over its cache, through the kernel and
-    through the torch formulation: the same tokens, logits equal to float32 rounding; `uses_moe_kernel`
-    says which ran."""
+    """A tiny target's greedy continuation of a batch, step by step over its cache, through the compiled kernels
+    (the MoE's, and the residual adds with their RMSNorms) and through torch: the same tokens, logits equal to
+    float32 rounding; `uses_moe_kernel` says which ran."""
     target = GptOssTarget(random_target(tiny_target_config(), seed=5))
     prompt = torch.randint(0, target.vocab_size, (3, 9), generator=torch.Generator().manual_seed(2))
     runs = {}
     for compiled in (True, False):
-        target.use_moe_kernel = compiled
+        target.use_cpu_kernels = compiled
         assert target.uses_moe_kernel() == compiled
         cache = target.new_cache(3, 40)
         positions = torch.arange(40).expand(3, -1)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..plugins.draft_block import cpu as draft_cpu
 from ..plugins.moe import cpu as moe_cpu
 from .kv_cache import KVArena
 from .linear import CastLinear, cast, exact_dtype, exact_half, half_gemm
@@ -133,6 +134,18 @@ def rms_norm(x: torch.Tensor, norm: nn.Module, doubled: torch.Tensor) -> torch.T
         return lean_rms_norm(x, doubled, norm.variance_epsilon)
     return cast(F.rms_norm(cast(x, torch.float32), norm.weight.shape, cast(norm.weight, torch.float32),
                            norm.variance_epsilon), x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.Module, doubled: torch.Tensor,
+                 compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add x + delta and its `rms_norm`; `compiled`: one call of the compiled CPU kernel where it
+    takes them (contiguous float32 CPU tensors; `plugins/draft_block/cpu.py`), the same values to float32
+    rounding, in place of the add and the norm's three kernels."""
+    if compiled and x.is_contiguous() and delta.is_contiguous() and draft_cpu.serves(x, delta):
+        total, normed = draft_cpu.add_rms_norm_cpu(x, delta, doubled, norm.variance_epsilon)
+        return total, normed
+    x = x + delta
+    return x, rms_norm(x, norm, doubled)
 
 
 ExpertMatrices = torch.Tensor | list  # [E, in, out], or per expert fbgemm's packed [out, in] (`half_copies`)
@@ -264,7 +277,7 @@ class GptOssTarget(nn.Module):
         if all(copy is not None for pair in half for copy in pair):
             self.expert_storages["float16"] = half
         self.use_expert_storage(next(iter(self.expert_storages)))
-        self.use_moe_kernel = True  # False: the MoE's torch formulation even where the compiled kernel serves
+        self.use_cpu_kernels = True  # False: the MoE and the add + RMSNorms in torch even where compiled kernels serve
         head = hf_model.lm_head
         self.head = CastLinear(head.weight, head.bias, exact_dtype(head.weight))
 
@@ -275,11 +288,11 @@ class GptOssTarget(nn.Module):
         self.expert_storage = name
 
     def uses_moe_kernel(self, storage: str | None = None) -> bool:
-        """Whether the lean path's MoE runs the compiled CPU kernel: `use_moe_kernel`, and the kernel takes the
+        """Whether the lean path's MoE runs the compiled CPU kernel: `use_cpu_kernels`, and the kernel takes the
         experts' storage `storage` (default: the current one; `moe_cpu.serves`)."""
         gate_up, down = self.expert_storages[storage][0] if storage else self.expert_weights[0]
         probe = torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device)
-        return self.use_moe_kernel and moe_cpu.serves(probe, gate_up, down)
+        return self.use_cpu_kernels and moe_cpu.serves(probe, gate_up, down)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -357,19 +370,24 @@ class GptOssTarget(nn.Module):
             masks = {w: attention_bias(mask, self.groups, x.dtype) for w, mask in masks.items()}
         captured = {}
         b, t, _ = x.shape
-        for i, layer in enumerate(self.hf.model.layers):
-            input_norm, post_attention_norm = self.norm_weights[i]
-            h = rms_norm(x, layer.input_layernorm, input_norm)
-            x = x + self.attention(i, h, cos, sin, positions, cache, kv_len, masks[self.windows[i]])
-            h = rms_norm(x, layer.post_attention_layernorm, post_attention_norm)
+        compiled = lean and self.use_cpu_kernels
+        layers = self.hf.model.layers
+        # each residual add goes with the norm after it: the next layer's input norm, after the last the final one
+        next_norms = [(layer.input_layernorm, weights[0]) for layer, weights in zip(layers[1:], self.norm_weights[1:])]
+        next_norms.append((self.hf.model.norm, self.final_norm))
+        h = rms_norm(x, layers[0].input_layernorm, self.norm_weights[0][0])
+        for i, layer in enumerate(layers):
+            attention = self.attention(i, h, cos, sin, positions, cache, kv_len, masks[self.windows[i]])
+            x, h = add_rms_norm(x, attention, layer.post_attention_layernorm, self.norm_weights[i][1], compiled)
             if lean and not hooked(layer.mlp.experts):
-                x = x + routed_experts(h.view(b * t, -1), layer.mlp, *self.expert_weights[i],
-                                       compiled=self.use_moe_kernel).view(b, t, -1)
+                moe = routed_experts(h.view(b * t, -1), layer.mlp, *self.expert_weights[i],
+                                     compiled=compiled).view(b, t, -1)
             else:
-                x = x + layer.mlp(h)[0]
+                moe = layer.mlp(h)[0]
+            x, h = add_rms_norm(x, moe, *next_norms[i], compiled)
             if i in feature_layers:
                 captured[i] = x
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
         if logit_index is not None:
-            x = x[torch.arange(b, device=x.device), logit_index]
-        return self.lm_head(rms_norm(x, self.hf.model.norm, self.final_norm)), features
+            h = h[torch.arange(b, device=h.device), logit_index]
+        return self.lm_head(h), features
