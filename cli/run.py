@@ -220,7 +220,7 @@ class RuntimeSetup(NamedTuple):
     drafter_gemm_dtype: torch.dtype | None  # None without a drafter
     expert_dtype: str | None  # what the reference runtime's MoE reads; None on TensorRT-LLM
     drafter_cpu_kernels: bool | None  # whether the drafter runs the compiled CPU kernels; None without a drafter
-    target_moe_kernel: bool | None  # whether the target's MoE runs the compiled CPU kernel; None on TensorRT-LLM
+    target_cpu_kernels: list[str] | None  # the target's parts on compiled CPU kernels; None on TensorRT-LLM
 
 
 def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, drafter_dir: Path, draft: DraftMethod,
@@ -268,7 +268,7 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
     runtimes = [ReferenceRuntime(target, proposer, draft_len_schedule=schedule)]
     if with_baseline:
         runtimes.append(ReferenceRuntime(target, None))
-    return RuntimeSetup(runtimes, gemm_dtype, experts, cpu_kernels, target.uses_moe_kernel())
+    return RuntimeSetup(runtimes, gemm_dtype, experts, cpu_kernels, target.compiled_parts())
 
 
 def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int, stream: StreamPrinter | None):
@@ -458,7 +458,7 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
                              draft_length=draft_length,
                              drafter_gemm_dtype=None if gemm_dtype is None else str(gemm_dtype).removeprefix("torch."),
                              expert_dtype=setup.expert_dtype, drafter_cpu_kernels=setup.drafter_cpu_kernels,
-                             target_moe_kernel=setup.target_moe_kernel,
+                             target_cpu_kernels=setup.target_cpu_kernels,
                              backend=chosen, threads=torch.get_num_threads(),
                              repeats=repeats)
     if as_json:

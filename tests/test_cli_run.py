@@ -156,9 +156,10 @@ def test_drafter_gemm_dtype_is_lossless_and_reported(tiny_pair, choice, expected
 
 @pytest.mark.parametrize("method", ["dflash", "ngram"])
 def test_the_summary_says_whether_the_drafter_ran_the_compiled_cpu_kernels(tiny_pair, method):
-    """And whether the target's MoE ran the compiled one (the tiny target's float32 experts: where it builds)."""
+    """And which of the target's parts ran compiled ones (the tiny target's float32 experts and head_dim 16: all
+    three where they build)."""
     from trtllm_dflash.plugins.draft_block.cpu import cpu_kernel
-    from trtllm_dflash.plugins.moe.cpu import moe_kernel
+    from trtllm_dflash.plugins.target.cpu import target_kernels
 
     target, drafter = tiny_pair
     result = invoke("--target", target, "--drafter", drafter, "--prompt", "abcabc", "--max-tokens", 6, "--json",
@@ -166,7 +167,8 @@ def test_the_summary_says_whether_the_drafter_ran_the_compiled_cpu_kernels(tiny_
     assert result.exit_code == 0, result.output
     _, summary = json_lines(result)
     assert summary["drafter_cpu_kernels"] == (None if method == "ngram" else cpu_kernel() is not None)
-    assert summary["target_moe_kernel"] == (moe_kernel() is not None)
+    built = target_kernels() is not None and cpu_kernel() is not None
+    assert summary["target_cpu_kernels"] == (["attention", "moe", "add_rms_norm"] if built else [])
 
 
 def test_drafter_gemm_dtype_needs_our_drafter():

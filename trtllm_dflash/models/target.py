@@ -16,9 +16,11 @@ q and k in one go, each step builds one additive mask per window kind for all la
 attention is one fused kernel on CPU, and the MoE multiplies only the experts a block routes to
 (`routed_experts`), reading them as float32 or, where the checkpoint's experts allow, from exact bf16
 copies (`compact_copy`) or fbgemm's float16 ones (`half_copies`); the float32 and bf16 ones through one
-call of the compiled CPU MoE kernel after the router where it builds (`plugins/moe/cpu.py`), the float16
+call of the compiled CPU MoE kernel after the router where it builds (`plugins/target/cpu.py`), the float16
 ones through a GEMM per routed expert. Which is fastest depends on the machine, so the runtime times them
-at start-up: `use_expert_storage`, `runtime/tuning.py`.
+at start-up: `use_expert_storage`, `runtime/tuning.py`. Where the compiled CPU kernels build, a layer's
+RoPE, K/V write and attention are one call too (masks from positions, none built), and so is each
+residual add with the RMSNorm after it (`use_cpu_kernels`, `compiled_parts`).
 Where a forward hook watches a bypassed module (calibration), that module is called as it is.
 
 Feature convention: target layer id `i` means the OUTPUT of decoder layer `i` (0-based), i.e.
@@ -34,7 +36,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..plugins.draft_block import cpu as draft_cpu
-from ..plugins.moe import cpu as moe_cpu
+from ..plugins.target import cpu as target_cpu
 from .kv_cache import KVArena
 from .linear import CastLinear, cast, exact_dtype, exact_half, half_gemm
 from .rope import Rotary, rotate
@@ -159,14 +161,14 @@ def routed_experts(x: torch.Tensor, mlp: nn.Module, gate_up_proj: ExpertMatrices
     transformers' grouped_mm multiplies every expert (empty groups included) with extra ops per call.
 
     `gate_up_proj` / `down_proj`: the experts' weights in another storage (`expert_gemm`). `compiled`: after
-    the router, one call of the compiled CPU MoE kernel where it takes these weights (`plugins/moe/cpu.py`:
+    the router, one call of the compiled CPU MoE kernel where it takes these weights (`plugins/target/cpu.py`:
     float32 or bf16 tensors, not fbgemm's copies), the same numbers up to float32 summation order."""
     experts = mlp.experts
     gate_up_proj = experts.gate_up_proj if gate_up_proj is None else gate_up_proj
     down_proj = experts.down_proj if down_proj is None else down_proj
     _, scores, indices = mlp.router(x)
-    if compiled and moe_cpu.serves(x, gate_up_proj, down_proj):
-        return moe_cpu.routed_experts_cpu(x, indices, scores, gate_up_proj, experts.gate_up_proj_bias, down_proj,
+    if compiled and target_cpu.serves(x, gate_up_proj, down_proj):
+        return target_cpu.routed_experts_cpu(x, indices, scores, gate_up_proj, experts.gate_up_proj_bias, down_proj,
                                           experts.down_proj_bias, experts.alpha, experts.limit)
     top_k = indices.shape[1]
     expert_ids, order = torch.sort(indices.reshape(-1))
@@ -287,12 +289,17 @@ class GptOssTarget(nn.Module):
         self.expert_weights = self.expert_storages[name]  # per layer (gate_up, down)
         self.expert_storage = name
 
-    def uses_moe_kernel(self, storage: str | None = None) -> bool:
-        """Whether the lean path's MoE runs the compiled CPU kernel: `use_cpu_kernels`, and the kernel takes the
-        experts' storage `storage` (default: the current one; `moe_cpu.serves`)."""
+    def compiled_parts(self, storage: str | None = None) -> list[str]:
+        """The parts of the lean path that run compiled CPU kernels ("attention", "moe", "add_rms_norm"); none
+        unless `use_cpu_kernels`. "moe" where the kernel takes the experts' storage `storage` (default: the
+        current one; `target_cpu.serves`)."""
+        if not self.use_cpu_kernels:
+            return []
         gate_up, down = self.expert_storages[storage][0] if storage else self.expert_weights[0]
         probe = torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device)
-        return self.use_cpu_kernels and moe_cpu.serves(probe, gate_up, down)
+        served = {"attention": target_cpu.attention_serves(probe, self.head_dim),
+                  "moe": target_cpu.serves(probe, gate_up, down), "add_rms_norm": draft_cpu.serves(probe)}
+        return [part for part, serves in served.items() if serves]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -331,25 +338,35 @@ class GptOssTarget(nn.Module):
         return cast(self.head(hidden), torch.float32)
 
     def attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                  cache: KVArena, kv_len: int, mask: torch.Tensor) -> torch.Tensor:
-        """Layer i's attention on normed h [b, t, H]: writes the tokens' K/V, attends over [0, kv_len)."""
+                  cache: KVArena, kv_len: int, mask: torch.Tensor | None, compiled: bool) -> torch.Tensor:
+        """Layer i's attention on normed h [b, t, H]: writes the tokens' K/V, attends over [0, kv_len) (`mask`:
+        what each token sees); `compiled`: after the q/k/v GEMM, one call of the compiled kernel, which masks
+        by positions (`mask` unused)."""
         b, t, _ = h.shape
-        hq, hkv = self.num_heads, self.num_kv_heads
         attn = self.hf.model.layers[i].self_attn
         if hooked(attn.q_proj, attn.k_proj, attn.v_proj):
             qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
         else:
             qkv = self.qkv[i](h)
-        qkv = qkv.view(b, t, -1, self.head_dim)
+        if compiled:
+            out = target_cpu.sink_attention_cpu(qkv, cos, sin, cache.k[i], cache.v[i], positions, self.windows[i],
+                                                getattr(self, f"sinks_{i}"), self.scale)
+        else:
+            out = self.torch_attention(i, qkv.view(b, t, -1, self.head_dim), cos, sin, positions, cache, kv_len, mask)
+        return attn.o_proj(out) if hooked(attn.o_proj) else self.o_proj[i](out)
+
+    def torch_attention(self, i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                        cache: KVArena, kv_len: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """`attention` after the q/k/v GEMM in torch ops: qkv [b, t, Hq + 2 Hkv, D] -> [b, t, Hq * D]."""
+        hq, hkv = self.num_heads, self.num_kv_heads
+        cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads
         qk = rotate(qkv[:, :, : hq + hkv], cos, sin)  # q and k heads side by side: one rotation
         cache.write(i, positions, qk[:, :, hq:], qkv[:, :, hq + hkv:])
         keys, values = cache.read(i, kv_len)
         q = qk[:, :, :hq].transpose(1, 2)
-        if h.device.type == "cpu":
-            out = fused_attention(q, keys, values, mask, getattr(self, f"sinks_{i}"), self.scale)
-        else:
-            out = sink_attention(q, keys, values, mask, attn.sinks, self.scale)
-        return attn.o_proj(out) if hooked(attn.o_proj) else self.o_proj[i](out)
+        if qkv.device.type == "cpu":
+            return fused_attention(q, keys, values, mask, getattr(self, f"sinks_{i}"), self.scale)
+        return sink_attention(q, keys, values, mask, self.hf.model.layers[i].self_attn.sinks, self.scale)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVArena,
@@ -363,21 +380,22 @@ class GptOssTarget(nn.Module):
         x = self.embed(tokens)
         kv_len = int(positions.max()) + 1
         cos, sin = self.rotary(positions, x.dtype, kv_len)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads
         lean = x.device.type == "cpu"
-        masks = {w: causal_mask(positions, kv_len, w) for w in set(self.windows)}
+        compiled = lean and self.use_cpu_kernels
+        compiled_attention = compiled and target_cpu.attention_serves(x, self.head_dim)
+        masks = {} if compiled_attention else {w: causal_mask(positions, kv_len, w) for w in set(self.windows)}
         if lean:
             masks = {w: attention_bias(mask, self.groups, x.dtype) for w, mask in masks.items()}
         captured = {}
         b, t, _ = x.shape
-        compiled = lean and self.use_cpu_kernels
         layers = self.hf.model.layers
         # each residual add goes with the norm after it: the next layer's input norm, after the last the final one
         next_norms = [(layer.input_layernorm, weights[0]) for layer, weights in zip(layers[1:], self.norm_weights[1:])]
         next_norms.append((self.hf.model.norm, self.final_norm))
         h = rms_norm(x, layers[0].input_layernorm, self.norm_weights[0][0])
         for i, layer in enumerate(layers):
-            attention = self.attention(i, h, cos, sin, positions, cache, kv_len, masks[self.windows[i]])
+            attention = self.attention(i, h, cos, sin, positions, cache, kv_len, masks.get(self.windows[i]),
+                                       compiled_attention)
             x, h = add_rms_norm(x, attention, layer.post_attention_layernorm, self.norm_weights[i][1], compiled)
             if lean and not hooked(layer.mlp.experts):
                 moe = routed_experts(h.view(b * t, -1), layer.mlp, *self.expert_weights[i],

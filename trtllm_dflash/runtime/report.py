@@ -48,7 +48,7 @@ def summary_record(results: list[GenerationResult], spec_runs: list[list[Generat
                    base_runs: list[list[GenerationResult]] | None, batch_size: int, **settings) -> dict:
     """The last JSON object of a run. results: the reported (first) run; spec_runs / base_runs: every
     repeat of the speculative and autoregressive runs (None without a baseline). settings: method,
-    sa_threshold, draft_length, drafter_gemm_dtype, expert_dtype, drafter_cpu_kernels, target_moe_kernel, backend,
+    sa_threshold, draft_length, drafter_gemm_dtype, expert_dtype, drafter_cpu_kernels, target_cpu_kernels, backend,
     threads, repeats."""
     total = total_stats(results, batch_size)
     summary = {"summary": True, **settings, "prompts": len(results), "batch_size": batch_size,
@@ -114,8 +114,8 @@ def print_report(records: list[dict], summary: dict, results: list[GenerationRes
         table.add_row("drafter step", "compiled CPU kernels" if summary["drafter_cpu_kernels"] else "torch ops")
     if summary.get("expert_dtype"):
         table.add_row("expert weights read as", summary["expert_dtype"])
-    if summary.get("target_moe_kernel") is not None:
-        table.add_row("target MoE", "compiled CPU kernel" if summary["target_moe_kernel"] else "torch ops")
+    if summary.get("target_cpu_kernels") is not None:
+        table.add_row("target on compiled CPU kernels", ", ".join(summary["target_cpu_kernels"]) or "none (torch ops)")
     if "baseline_decode_tokens_per_s" in summary:
         table.add_row("baseline decode tokens/s", f"{summary['baseline_decode_tokens_per_s']:.1f}")
         if "speedup" in summary:

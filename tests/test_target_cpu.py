@@ -1,5 +1,6 @@
-"""The compiled CPU MoE kernel (plugins/moe/cpu_kernel.cpp) against the torch formulation it replaces
-(`routed_experts` without `compiled`), and the target's forward through it against its torch path."""
+"""The target's compiled CPU kernels (plugins/target/cpu_kernel.cpp) against the torch formulations they
+replace (`routed_experts` without `compiled`; `sink_attention` after RoPE and the arena write), and the
+target's forward through them against its torch path."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from hypothesis import strategies as st
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
 from trtllm_dflash.models.random_pair import random_target, tiny_target_config
-from trtllm_dflash.models.target import GptOssTarget, compact_copy, routed_experts
-from trtllm_dflash.plugins.moe import cpu
+from trtllm_dflash.models.kv_cache import KVArena
+from trtllm_dflash.models.rope import rotate
+from trtllm_dflash.models.target import GptOssTarget, causal_mask, compact_copy, routed_experts, sink_attention
+from trtllm_dflash.plugins.target import cpu
 
-pytestmark = pytest.mark.skipif(cpu.moe_kernel() is None, reason=f"kernel not built: {cpu.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(cpu.target_kernels() is None, reason=f"kernel not built: {cpu.unavailable_reason()}")
 
 
 def random_mlp(experts: int, top_k: int, hidden: int, intermediate: int, seed: int, std: float = 0.5) -> GptOssMLP:
@@ -104,13 +107,14 @@ def test_the_kernel_refuses_bad_input():
 def test_the_target_decodes_the_same_tokens_through_the_kernel():
     """A tiny target's greedy continuation of a batch, step by step over its cache, through the compiled kernels
     (the MoE's, and the residual adds with their RMSNorms) and through torch: the same tokens, logits equal to
-    float32 rounding; `uses_moe_kernel` says which ran."""
+    float32 rounding; `compiled_parts` says which ran."""
     target = GptOssTarget(random_target(tiny_target_config(), seed=5))
     prompt = torch.randint(0, target.vocab_size, (3, 9), generator=torch.Generator().manual_seed(2))
     runs = {}
     for compiled in (True, False):
         target.use_cpu_kernels = compiled
-        assert target.uses_moe_kernel() == compiled
+        target_parts = ["attention", "moe", "add_rms_norm"] if compiled else []
+        assert target.compiled_parts() == target_parts
         cache = target.new_cache(3, 40)
         positions = torch.arange(40).expand(3, -1)
         logits, _ = target(prompt, positions[:, :9], cache, [])
@@ -126,12 +130,71 @@ def test_the_target_decodes_the_same_tokens_through_the_kernel():
 
 
 def test_disabled_kernel_leaves_the_torch_path():
-    """TRTLLM_DFLASH_CPU_KERNEL=0: no build, the reason said, the target's MoE on its torch formulation."""
-    code = ("from trtllm_dflash.plugins.moe import cpu\n"
+    """TRTLLM_DFLASH_CPU_KERNEL=0: no build, the reason said, the target on its torch formulations."""
+    code = ("from trtllm_dflash.plugins.target import cpu\n"
             "from trtllm_dflash.models.random_pair import random_target, tiny_target_config\n"
             "from trtllm_dflash.models.target import GptOssTarget\n"
             "target = GptOssTarget(random_target(tiny_target_config()))\n"
-            "print(cpu.moe_kernel(), cpu.unavailable_reason(), target.uses_moe_kernel())\n")
+            "print(cpu.target_kernels(), cpu.unavailable_reason(), target.compiled_parts())\n")
     env = {**os.environ, "TRTLLM_DFLASH_CPU_KERNEL": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["None", "TRTLLM_DFLASH_CPU_KERNEL=0", "False"]
+    assert out.split() == ["None", "TRTLLM_DFLASH_CPU_KERNEL=0", "[]"]
+
+
+def attention_case(batch: int, hq: int, hkv: int, d: int, capacity: int, seed: int):
+    """A filled one-layer arena, RoPE tables (`Rotary`'s layout: signed sin) over its positions and sink logits."""
+    generator = torch.Generator().manual_seed(seed)
+    arena = KVArena(1, batch, hkv, capacity, d, torch.float32, "cpu")
+    arena.keys.normal_(generator=generator)
+    arena.values.normal_(generator=generator)
+    angles = torch.rand(capacity, d // 2, generator=generator) * 6.3
+    table = torch.stack([torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)], 1)
+    return arena, table, torch.randn(hq, generator=generator), generator
+
+
+def attention_reference(qkv, cos, sin, arena, positions, window, sinks, scale, hq, hkv, d):
+    """The torch formulation in float64: rotate, write into a copy of the arena, `sink_attention` under the
+    causal (windowed) mask of each query's position."""
+    b, t, _ = qkv.shape
+    keys, values = arena.keys[0].double().clone(), arena.values[0].double().clone()
+    heads = qkv.double().view(b, t, -1, d)
+    qk = rotate(heads[:, :, : hq + hkv], cos.double()[:, :, None], sin.double()[:, :, None])
+    rows = torch.arange(b)[:, None]
+    keys[rows, :, positions] = qk[:, :, hq:]
+    values[rows, :, positions] = heads[:, :, hq + hkv:]
+    length = int(positions.max()) + 1
+    mask = causal_mask(positions, length, window)
+    out = sink_attention(qk[:, :, :hq].transpose(1, 2), keys[:, :, :length], values[:, :, :length], mask,
+                         None if sinks is None else sinks.double(), scale)
+    return out, keys, values
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 3), t=st.integers(1, 9), start=st.integers(0, 70), group=st.sampled_from([1, 2, 4]),
+       hkv=st.integers(1, 3), d=st.sampled_from([16, 32, 64]), window=st.sampled_from([None, 1, 5, 64]),
+       with_sinks=st.booleans(), seed=st.integers(0, 2**16))
+def test_attention_kernel_equals_the_float64_reference(batch, t, start, group, hkv, d, window, with_sinks, seed):
+    """Ragged batches (each row its own start), steps of 1 to 9 tokens, grouped heads, windows narrower and wider
+    than the history, sinks on and off: the output and the arena's keys and values match a float64 reference of
+    rotate + write + sink attention to float32 rounding (the rest of the arena untouched)."""
+    hq = hkv * group
+    capacity = start + 2 * t + 8
+    arena, table, sinks, generator = attention_case(batch, hq, hkv, d, capacity, seed)
+    positions = (start + 3 * torch.arange(batch))[:, None] % (capacity - t) + torch.arange(t)
+    cos, sin = table[positions][:, :, 0], table[positions][:, :, 1]
+    qkv = torch.randn(batch, t, (hq + 2 * hkv) * d, generator=generator)
+    scale, sinks = d ** -0.5, sinks if with_sinks else None
+    expected, keys, values = attention_reference(qkv, cos, sin, arena, positions, window, sinks, scale, hq, hkv, d)
+    got = cpu.sink_attention_cpu(qkv, cos, sin, arena.k[0], arena.v[0], positions, window, sinks, scale)
+    assert got.shape == (batch, t, hq * d)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(arena.k[0].double(), keys, rtol=1e-6, atol=1e-6)
+    assert torch.equal(arena.v[0].double(), values)
+
+
+def test_attention_kernel_refuses_positions_outside_the_arena():
+    arena, table, sinks, generator = attention_case(1, 2, 1, 16, 8, seed=0)
+    qkv = torch.randn(1, 1, 4 * 16, generator=generator)
+    with pytest.raises(RuntimeError, match="position 8 lies outside the arena"):
+        cpu.sink_attention_cpu(qkv, table[None, :1, 0], table[None, :1, 1], arena.k[0], arena.v[0],
+                               torch.tensor([[8]]), None, sinks, 0.25)

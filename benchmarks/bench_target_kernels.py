@@ -1,16 +1,18 @@
-"""The target's MoE through the compiled CPU kernel against its torch formulation, side by side.
+"""The target's steps through its compiled CPU kernels (MoE, attention, add + RMSNorm) against its torch
+formulations, side by side.
 
-    python benchmarks/bench_moe_kernel.py [--target DIR] [--prompts 16] [--max-tokens 128] [--repeats 5]
+    python benchmarks/bench_target_kernels.py [--target DIR] [--prompts 16] [--max-tokens 128] [--repeats 5]
                                           [--threads 1] [--context 200] [--rounds 200]
 
 Two measurements, each interleaved so that machine drift hits every variant alike:
 1. Target steps: an AR step and a verify of 8 tokens over a `--context`-token history, on fresh random
    tokens every round (as decoding's tokens route to other experts than the last step's), per expert
-   storage (`GptOssTarget.expert_storages`) with the kernel and with the torch formulation; median and
-   min..max over `--rounds` rounds, and the verify / AR ratio.
-2. Autoregressive decoding end to end (the reference runtime, greedy) on the held-out prompts, kernel
-   against torch formulation, each with the storage `--expert-dtype auto` picks for it, alternating per
-   repeat: tokens/s with min..max, and whether both decode the same tokens.
+   storage (`GptOssTarget.expert_storages`) with the kernels (`use_cpu_kernels`; the MoE kernel takes
+   the float32 and bf16 storages, not fbgemm's float16 copies) and in torch; median and min..max over
+   `--rounds` rounds, and the verify / AR ratio.
+2. Autoregressive decoding end to end (the reference runtime, greedy) on the held-out prompts, kernels
+   against torch, each with the storage `--expert-dtype auto` picks for it, alternating per repeat:
+   tokens/s with min..max, and whether both decode the same tokens.
 """
 
 from __future__ import annotations
@@ -39,9 +41,7 @@ def step_costs(target, context: int, rounds: int) -> None:
     positions = torch.arange(context + 8).expand(1, -1)
     cache = target.new_cache(1, context + 8)
     target(prompt, positions[:, :context], cache, [])
-    # the kernel does not take fbgemm's packed float16 copies: for them only the torch formulation runs
-    variants = [(storage, kernel) for storage in target.expert_storages for kernel in (True, False)
-                if target.uses_moe_kernel(storage) or not kernel]
+    variants = [(storage, kernel) for storage in target.expert_storages for kernel in (True, False)]
 
     draws = itertools.count()
 
@@ -54,9 +54,10 @@ def step_costs(target, context: int, rounds: int) -> None:
 
     times = interleaved_times([step(s, k, w) for s, k in variants for w in (1, 8)], rounds, warm_up=20)
     print(f"\ntarget steps at context {context}, ms, median (min..max) over {rounds} interleaved rounds")
-    print(f"{'experts':<10}{'MoE':<9}{'AR step':>24}{'verify (8 tokens)':>24}{'verify / AR':>13}")
+    print(f"{'experts':<10}{'compiled':<28}{'AR step':>24}{'verify (8 tokens)':>24}{'verify / AR':>13}")
     for (storage, kernel), ar, verify in zip(variants, times[0::2], times[1::2]):
-        print(f"{storage:<10}{'kernel' if kernel else 'torch':<9}{spread(ar, 1e3):>24}{spread(verify, 1e3):>24}"
+        target.use_cpu_kernels = kernel
+        print(f"{storage:<10}{', '.join(target.compiled_parts(storage)) or 'none':<28}{spread(ar, 1e3):>24}{spread(verify, 1e3):>24}"
               f"{statistics.median(v / a for v, a in zip(verify, ar)):>12.2f}x")
 
 
@@ -84,9 +85,9 @@ def end_to_end(target, prompts, max_tokens: int, repeats: int) -> None:
     print(f"\nautoregressive decoding, {len(prompts)} prompts x {max_tokens} tokens, batch 1, {repeats} repeats "
           f"alternating; same tokens: {same}/{len(prompts)}")
     for kernel in (True, False):
-        print(f"{'kernel' if kernel else 'torch':<8}experts {storages[kernel]:<10}tok/s {spread(rates[kernel])}")
+        print(f"{'kernels' if kernel else 'torch':<8}experts {storages[kernel]:<10}tok/s {spread(rates[kernel])}")
     ratios = [k / t for k, t in zip(rates[True], rates[False])]
-    print(f"kernel / torch: {spread(ratios)}")
+    print(f"kernels / torch: {spread(ratios)}")
 
 
 def main() -> None:
@@ -98,8 +99,8 @@ def main() -> None:
     args = parser.parse_args()
     pair = load_local_pair(args)
     target = pair.target
-    if not target.uses_moe_kernel("float32"):
-        raise SystemExit("the compiled CPU MoE kernel does not serve this target here (see the warning above)")
+    if not target.compiled_parts():
+        raise SystemExit("the compiled CPU kernels do not serve this target here (see the warning above)")
     print(f"threads={args.threads} prompts={len(pair.prompts)} max_tokens={args.max_tokens}")
     with torch.inference_mode():
         step_costs(target, args.context, args.rounds)

@@ -1,0 +1,70 @@
+"""The gpt-oss target's MoE and attention as compiled CPU calls (``cpu_kernel.cpp``), built on first use
+(`plugins/compiled.py`).
+
+On a small target a CPU step is bound by tensor ops and Python, not arithmetic: the MoE's torch formulation
+(`models/target.py` `routed_experts`) takes ~25 ops and a Python loop over routed experts, a layer's
+attention ~15 ops and per-step masks. The MoE kernel takes the router's top-k and the experts' float32
+weights or their exact bf16 copies; the attention kernel the fused q/k/v projection's output and the layer's
+K/V arena. Where ``target_kernels()`` returns None the target runs the torch formulations; the kernels'
+numbers are theirs up to float32 summation order (tests/test_target_cpu.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..compiled import CompiledKernel
+
+KERNEL = CompiledKernel(Path(__file__).with_name("cpu_kernel.cpp"), "dflash_target_cpu",
+                        "compiled CPU kernels of the target (MoE, attention)", "the target runs its torch formulations")
+LANES = 16  # the kernel's vector width in floats: hidden and intermediate sizes must be multiples
+
+
+def target_kernels():
+    """The compiled module, or None where it is disabled or cannot be built."""
+    return KERNEL.module()
+
+
+def serves(x: torch.Tensor, gate_up: object, down: object) -> bool:
+    """Whether the kernel takes these: float32 CPU tokens, experts as float32 or bf16 CPU tensors alike
+    ([E, H, 2I], [E, I, H]; not fbgemm's packed copies), H and I multiples of `LANES`, the kernel built."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and isinstance(gate_up, torch.Tensor)
+            and isinstance(down, torch.Tensor) and gate_up.device.type == "cpu" and gate_up.dtype == down.dtype
+            and gate_up.dtype in (torch.float32, torch.bfloat16)
+            and x.shape[-1] % LANES == 0 and down.shape[1] % LANES == 0 and target_kernels() is not None)
+
+
+def routed_experts_cpu(x: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor, gate_up: torch.Tensor,
+                       gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor, alpha: float,
+                       limit: float) -> torch.Tensor:
+    """x float32 [n, H], the router's top-k `indices` [n, k] and `scores` [n, k], gate_up [E, H, 2I] (gate and
+    up interleaved) and down [E, I, H] (float32 or bf16), their float32 biases -> [n, H]: per token, the sum
+    over its slots of score x down(swiglu(gate_up(x))), gpt-oss's clamped SwiGLU with `alpha` and `limit`."""
+    return target_kernels().routed_experts(x.contiguous(), indices.contiguous(), scores.float().contiguous(),
+                                       gate_up.contiguous(), gate_up_bias.float().contiguous(), down.contiguous(),
+                                       down_bias.float().contiguous(), alpha, limit)
+
+
+def sink_attention_cpu(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                       values: torch.Tensor, positions: torch.Tensor, sliding_window: int | None,
+                       sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """A target layer's attention for a step after its fused projection: qkv float32 [b, t, (Hq + 2 Hkv) * D]
+    (contiguous), cos / sin [b, t, D] (`Rotary`'s), the layer's arena keys / values [b, Hkv, S, D]
+    (`KVArena.k[i]` / `v[i]`), positions int64 [b, t], sinks [Hq] (None: no sink). Writes the step's rotated
+    keys and its values at their positions, then attends causally (within `sliding_window`) -> [b, t, Hq * D]."""
+    return target_kernels().sink_attention(qkv, cos, sin, keys, values, positions,
+                                           -1 if sliding_window is None else sliding_window, sinks, scale)
+
+
+def attention_serves(x: torch.Tensor, head_dim: int) -> bool:
+    """Whether the attention kernel takes a target whose hidden states are like x: float32 on the CPU, head_dim
+    a multiple of `LANES`, the kernels built (its projection's output and the arena are contiguous there)."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and head_dim % LANES == 0
+            and target_kernels() is not None)
+
+
+def unavailable_reason() -> str | None:
+    """Why `target_kernels()` returned None (None while it loads, or before it was asked)."""
+    return KERNEL.unavailable_reason()
