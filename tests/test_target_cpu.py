@@ -58,6 +58,33 @@ def test_kernel_equals_the_torch_formulation(tokens, experts, top_k, hidden, int
     assert torch.equal(from_bf16, from_float32)
 
 
+@settings(max_examples=30, deadline=None)
+@given(tokens=st.integers(1, 20), experts=st.integers(1, 9), top_k=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_route_equals_the_router(tokens, experts, top_k, seed):
+    """The router kernel picks transformers' GptOssTopKRouter's experts in its order (largest logit first) and
+    their softmax to float32 rounding."""
+    top_k = min(top_k, experts)
+    router = random_mlp(experts, top_k, 32, 16, seed).router
+    x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(seed))
+    with torch.inference_mode():
+        _, scores, indices = router(x)
+        got_indices, got_scores = cpu.route_cpu(x, router.weight, router.bias, top_k)
+    assert torch.equal(got_indices, indices)
+    torch.testing.assert_close(got_scores, scores, rtol=1e-6, atol=1e-6)
+
+
+def test_a_hooked_router_is_called_as_it_is():
+    """A forward hook on the router (calibration, the step-cost benchmark's count of experts touched) sees every
+    call the compiled path makes: the module runs, the router kernel does not."""
+    mlp = random_mlp(4, 2, 32, 32, seed=2)
+    seen = []
+    mlp.router.register_forward_hook(lambda module, inputs, output: seen.append(output[-1].shape))
+    x = torch.randn(5, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(routed_experts(x, mlp, compiled=True), routed_experts(x, mlp), rtol=1e-5, atol=1e-5)
+    assert seen == [(5, 2), (5, 2)]
+
+
 def test_threads_split_the_experts_and_change_no_number():
     """With two intra-op threads the experts run in parallel, each on one thread: the same bits as one thread."""
     mlp = random_mlp(8, 2, 64, 64, seed=4)

@@ -36,6 +36,12 @@ def serves(x: torch.Tensor, gate_up: object, down: object) -> bool:
             and x.shape[-1] % LANES == 0 and down.shape[1] % LANES == 0 and target_kernels() is not None)
 
 
+def route_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's router (`GptOssTopKRouter`) on x float32 [n, H]: each token's top_k experts by x @ weight.T + bias,
+    largest first, and the softmax of their logits -> (indices int64 [n, k], scores float32 [n, k])."""
+    return tuple(target_kernels().route(x.contiguous(), weight.contiguous(), bias.contiguous(), top_k))
+
+
 def routed_experts_cpu(x: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor, gate_up: torch.Tensor,
                        gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor, alpha: float,
                        limit: float) -> torch.Tensor:
@@ -45,6 +51,12 @@ def routed_experts_cpu(x: torch.Tensor, indices: torch.Tensor, scores: torch.Ten
     return target_kernels().routed_experts(x.contiguous(), indices.contiguous(), scores.float().contiguous(),
                                        gate_up.contiguous(), gate_up_bias.float().contiguous(), down.contiguous(),
                                        down_bias.float().contiguous(), alpha, limit)
+
+
+def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x float32 [..., in] (contiguous) times weight [in, out] (float32, or a bf16 copy that holds it exactly) plus
+    bias float32 [out] -> [..., out], in float32 products and sums; out a multiple of `LANES`."""
+    return target_kernels().linear(x, weight, bias)
 
 
 def sink_attention_cpu(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,

@@ -3,11 +3,12 @@
 //
 // Why compiled: on a small target a CPU step is bound by the count of tensor ops torch eager dispatches and by
 // Python, not by its GEMMs (docs/benchmarks.md, round 17).
-// - `routed_experts` replaces the ~25 ops and the Python loop over routed experts of a layer's MoE after the
-//   router: each expert that some token routes to multiplies its rows in one pass over its weights (float32,
+// - `route` and `routed_experts` replace a layer's router (3 ops) and the ~25 ops and the Python loop over
+//   routed experts of its MoE: each expert that some token routes to multiplies its rows in one pass over its weights (float32,
 //   or bf16 copies that hold them exactly, widened in registers), with the bias, gpt-oss's clamped SwiGLU on
 //   interleaved gate/up columns, the down projection and the routing weight; a token's top-k outputs are then
-//   summed in slot order, as the torch formulation does.
+//   summed in slot order, as the torch formulation does. `linear` serves the attention's q/k/v and o_proj with
+//   the same tiles.
 // - `sink_attention` replaces a layer's RoPE, K/V arena write and read, per-step masks and the fused attention
 //   with its sink rescaling: it rotates and writes the step's keys, then each query attends to the positions
 //   at or before its own (within the sliding window), the sink one more logit without a value.
@@ -34,6 +35,7 @@ typedef uint16_t bf16x16u __attribute__((vector_size(32), aligned(2)));
 constexpr int64_t kLanes = 16;
 constexpr int kRows = 4;     // rows sharing one pass over a weight tile
 constexpr int kVectors = 4;  // a tile's columns, in vectors
+constexpr int64_t kAhead = 16;  // weight rows a tile prefetches ahead
 
 inline f16v load(const float* p) { return *reinterpret_cast<const f16u*>(p); }
 inline f16v load(const uint16_t* p) {  // bf16 -> float32: the bits moved to the top half
@@ -64,13 +66,17 @@ inline f16v vexp(f16v x) {
   return dead ? f16v{} : p * scale;
 }
 
-// y[r][c0 : c0 + 16 NV] = x[r] @ w[:, c0 : c0 + 16 NV] + bias for NR rows: one pass over the weight tile,
+// y[r][c0 : c0 + 16 NV] = x[r] @ w[:, c0 : c0 + 16 NV] (+ bias) for NR rows: one pass over the weight tile,
 // NR x NV accumulators in registers.
 template <int NR, int NV, typename W>
 void tile(const float* const* x, int64_t in, const W* w, int64_t out, const float* bias, float* const* y,
           int64_t c0) {
   f16v acc[NR][NV] = {};
+  constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line
   for (int64_t h = 0; h < in; ++h) {
+    // a tile reads one short run per weight row, rows `out` apart: fetch a few rows ahead, which the hardware
+    // prefetcher does not do for such strides (a lone token's experts come from memory: -35% of their time)
+    for (int64_t e = 0; e < NV * kLanes; e += kLine) __builtin_prefetch(w + (h + kAhead) * out + c0 + e);
     f16v wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = load(w + h * out + c0 + v * kLanes);
     for (int r = 0; r < NR; ++r) {
@@ -79,31 +85,30 @@ void tile(const float* const* x, int64_t in, const W* w, int64_t out, const floa
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int v = 0; v < NV; ++v) store(y[r] + c0 + v * kLanes, acc[r][v] + load(bias + c0 + v * kLanes));
+    for (int v = 0; v < NV; ++v)
+      store(y[r] + c0 + v * kLanes, bias ? acc[r][v] + load(bias + c0 + v * kLanes) : acc[r][v]);
 }
 
-template <int NR, typename W>
-void row_block(const float* const* x, int64_t in, const W* w, int64_t out, const float* bias, float* const* y) {
-  int64_t c0 = 0;
-  for (; c0 + kVectors * kLanes <= out; c0 += kVectors * kLanes) tile<NR, kVectors>(x, in, w, out, bias, y, c0);
-  for (; c0 < out; c0 += kLanes) tile<NR, 1>(x, in, w, out, bias, y, c0);
-}
-
-// rows x[r] [in] (any addresses) times w [in, out] plus bias [out] -> y[r] [out]; out a multiple of 16.
-template <typename W>
-void linear_rows(const std::vector<const float*>& x, int64_t in, const W* w, int64_t out, const float* bias,
-                 const std::vector<float*>& y) {
-  const int64_t rows = static_cast<int64_t>(x.size());
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-    const float* const* xs = x.data() + r0;
-    float* const* ys = y.data() + r0;
-    switch (std::min<int64_t>(kRows, rows - r0)) {
-      case 4: row_block<4>(xs, in, w, out, bias, ys); break;
-      case 3: row_block<3>(xs, in, w, out, bias, ys); break;
-      case 2: row_block<2>(xs, in, w, out, bias, ys); break;
-      default: row_block<1>(xs, in, w, out, bias, ys); break;
+// One column tile for every row, kRows rows at a time (the tile stays in cache between row blocks).
+template <int NV, typename W>
+void rows_tile(const float* const* x, int64_t rows, int64_t in, const W* w, int64_t out, const float* bias,
+               float* const* y, int64_t c0) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) switch (std::min<int64_t>(kRows, rows - r0)) {
+      case 4: tile<4, NV>(x + r0, in, w, out, bias, y + r0, c0); break;
+      case 3: tile<3, NV>(x + r0, in, w, out, bias, y + r0, c0); break;
+      case 2: tile<2, NV>(x + r0, in, w, out, bias, y + r0, c0); break;
+      default: tile<1, NV>(x + r0, in, w, out, bias, y + r0, c0); break;
     }
-  }
+}
+
+// Rows x[r] [in] (any addresses) times w [in, out] plus bias [out] (or none) -> y[r] [out], columns
+// [c_begin, c_end) (multiples of 16).
+template <typename W>
+void linear_rows(const float* const* x, int64_t rows, int64_t in, const W* w, int64_t out, const float* bias,
+                 float* const* y, int64_t c_begin, int64_t c_end) {
+  int64_t c0 = c_begin;
+  for (; c0 + kVectors * kLanes <= c_end; c0 += kVectors * kLanes) rows_tile<kVectors>(x, rows, in, w, out, bias, y, c0);
+  for (; c0 < c_end; c0 += kLanes) rows_tile<1>(x, rows, in, w, out, bias, y, c0);
 }
 
 // gpt-oss's gate on gate_up [2I] with gate and up interleaved (even, odd columns) -> act [I]:
@@ -144,10 +149,10 @@ void run_expert(const float* xp, const float* sp, const std::vector<int64_t>& ro
     act_rows.push_back(act.data() + r * inter);
     out_rows.push_back(slots + routed[r] * hidden);
   }
-  linear_rows(x_rows, hidden, gu, 2 * inter, gub, gate_up_rows);
+  linear_rows(x_rows.data(), rows, hidden, gu, 2 * inter, gub, gate_up_rows.data(), 0, 2 * inter);
   for (int64_t r = 0; r < rows; ++r)
     clamped_swiglu(gate_up_rows[r], inter, alpha, limit, gate.data(), up.data(), act.data() + r * inter);
-  linear_rows(act_rows, inter, dn, hidden, dnb, out_rows);
+  linear_rows(act_rows.data(), rows, inter, dn, hidden, dnb, out_rows.data(), 0, hidden);
   for (int64_t r = 0; r < rows; ++r) {
     const f16v score = splat(sp[routed[r]]);
     for (int64_t c = 0; c < hidden; c += kLanes) store(out_rows[r] + c, load(out_rows[r] + c) * score);
@@ -205,6 +210,46 @@ void weighted_values(const float* weights, const float* value, int64_t count, in
 }
 
 }  // namespace
+
+// gpt-oss's router on x float32 [n, H]: logits x @ weight.T + bias (weight float32 [E, H], bias [E]), each token's
+// top_k of them (largest first; of equal ones the lower expert) -> (indices int64 [n, k], their softmax float32 [n, k]).
+std::vector<torch::Tensor> route(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, int64_t top_k) {
+  check(x, "x", 2);
+  check(weight, "weight", 2);
+  check(bias, "bias", 1);
+  const int64_t n = x.size(0), hidden = x.size(1), experts = weight.size(0);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32 &&
+                  bias.scalar_type() == torch::kFloat32, "x, weight and bias must be float32");
+  TORCH_CHECK(weight.size(1) == hidden && bias.size(0) == experts, "weight must be [E, H] and bias [E]");
+  TORCH_CHECK(hidden % kLanes == 0, "the hidden size must be a multiple of ", kLanes);
+  TORCH_CHECK(top_k >= 1 && top_k <= experts, "top_k must lie in [1, E]");
+  auto indices = torch::empty({n, top_k}, x.options().dtype(torch::kInt64));
+  auto scores = torch::empty({n, top_k}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>(), *bp = bias.data_ptr<float>();
+  int64_t* ip = indices.data_ptr<int64_t>();
+  float* sp = scores.data_ptr<float>();
+  std::vector<float> logits(experts);
+  std::vector<int64_t> order(experts);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t e = 0; e < experts; ++e) {
+      f16v acc{};
+      for (int64_t c = 0; c < hidden; c += kLanes) acc += load(xp + t * hidden + c) * load(wp + e * hidden + c);
+      logits[e] = lane_sum(acc) + bp[e];
+      order[e] = e;
+    }
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int64_t a, int64_t b) {
+      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    });
+    const float most = logits[order[0]];
+    float total = 0.f;
+    for (int64_t j = 0; j < top_k; ++j) total += (sp[t * top_k + j] = std::exp(logits[order[j]] - most));
+    for (int64_t j = 0; j < top_k; ++j) {
+      sp[t * top_k + j] /= total;
+      ip[t * top_k + j] = order[j];
+    }
+  }
+  return {indices, scores};
+}
 
 // x float32 [n, H]; indices int64 [n, k] and scores float32 [n, k] (the router's top-k and their softmax);
 // gate_up [E, H, 2I] and down [E, I, H], both float32 or both bf16; biases float32 [E, 2I], [E, H].
@@ -351,7 +396,48 @@ torch::Tensor sink_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor
   return out;
 }
 
+// x float32 [..., in] (contiguous) times weight [in, out] (float32, or bf16 that holds the weight exactly; contiguous)
+// plus bias float32 [out] or None -> float32 [..., out]; out a multiple of 16. Columns split over torch's intra-op
+// threads.
+torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 CPU tensor");
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous() &&
+                  (weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16),
+              "weight must be a contiguous float32 or bf16 CPU tensor [in, out]");
+  const int64_t in = weight.size(0), out = weight.size(1);
+  TORCH_CHECK(x.size(-1) == in, "x's last dimension must be weight's first");
+  TORCH_CHECK(out % kLanes == 0, "the output width must be a multiple of ", kLanes);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == out,
+                "bias must be float32 [out]");
+    bp = bias->data_ptr<float>();
+  }
+  const int64_t rows = x.numel() / std::max<int64_t>(in, 1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = out;
+  auto y = torch::empty(sizes, x.options());
+  std::vector<const float*> x_rows(rows);
+  std::vector<float*> y_rows(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    x_rows[r] = x.data_ptr<float>() + r * in;
+    y_rows[r] = y.data_ptr<float>() + r * out;
+  }
+  at::parallel_for(0, out / kLanes, 256 / kLanes, [&](int64_t first, int64_t last) {
+    if (weight.scalar_type() == torch::kFloat32)
+      linear_rows(x_rows.data(), rows, in, weight.data_ptr<float>(), out, bp, y_rows.data(), first * kLanes,
+                  last * kLanes);
+    else
+      linear_rows(x_rows.data(), rows, in, reinterpret_cast<const uint16_t*>(weight.data_ptr()), out, bp,
+                  y_rows.data(), first * kLanes, last * kLanes);
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "x @ weight [in, out] + bias (float32 math; float32 or bf16 weight)");
+  m.def("route", &route, "gpt-oss router: top-k experts and their softmax (float32)");
   m.def("routed_experts", &routed_experts, "gpt-oss routed experts (float32 or bf16 weights)");
   m.def("sink_attention", &sink_attention, "a target layer's RoPE, K/V write and attention with sinks (float32)");
 }

@@ -160,16 +160,22 @@ def routed_experts(x: torch.Tensor, mlp: nn.Module, gate_up_proj: ExpertMatrices
     hence the same numbers, but each GEMM covers only an expert that some token routes to. On CPU
     transformers' grouped_mm multiplies every expert (empty groups included) with extra ops per call.
 
-    `gate_up_proj` / `down_proj`: the experts' weights in another storage (`expert_gemm`). `compiled`: after
-    the router, one call of the compiled CPU MoE kernel where it takes these weights (`plugins/target/cpu.py`:
-    float32 or bf16 tensors, not fbgemm's copies), the same numbers up to float32 summation order."""
+    `gate_up_proj` / `down_proj`: the experts' weights in another storage (`expert_gemm`). `compiled`: the router
+    and the experts as two calls of the compiled CPU kernels where they take these weights (`plugins/target/cpu.py`:
+    float32 or bf16 tensors, not fbgemm's copies; a hooked router is called as it is), the same numbers up to
+    float32 summation order."""
     experts = mlp.experts
     gate_up_proj = experts.gate_up_proj if gate_up_proj is None else gate_up_proj
     down_proj = experts.down_proj if down_proj is None else down_proj
-    _, scores, indices = mlp.router(x)
     if compiled and target_cpu.serves(x, gate_up_proj, down_proj):
+        router = mlp.router
+        if hooked(router):
+            _, scores, indices = router(x)
+        else:
+            indices, scores = target_cpu.route_cpu(x, router.weight, router.bias, router.top_k)
         return target_cpu.routed_experts_cpu(x, indices, scores, gate_up_proj, experts.gate_up_proj_bias, down_proj,
                                           experts.down_proj_bias, experts.alpha, experts.limit)
+    _, scores, indices = mlp.router(x)
     top_k = indices.shape[1]
     expert_ids, order = torch.sort(indices.reshape(-1))
     rows = x[order // top_k]
@@ -231,6 +237,19 @@ def compact_copy(weight: torch.Tensor) -> torch.Tensor:
     return compact if torch.equal(compact.float(), weight) else weight
 
 
+class KernelLinear:
+    """A frozen linear map through the compiled CPU kernel (`target_cpu.linear_cpu`): the weight stored [in, out] as
+    an exact bf16 copy where bf16 holds it (`compact_copy`: a bf16 checkpoint's dense weights), else float32; float32
+    products and sums, so the float32 GEMM's result up to summation order."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight = compact_copy(weight.detach().t().contiguous())
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return target_cpu.linear_cpu(x.contiguous(), self.weight, self.bias)
+
+
 def hooked(*modules: nn.Module) -> bool:
     """Whether a forward hook watches one of these modules (quantization calibration records their
     inputs that way): a lean path that bypasses them must then call them instead."""
@@ -282,6 +301,16 @@ class GptOssTarget(nn.Module):
         self.use_cpu_kernels = True  # False: the MoE and the add + RMSNorms in torch even where compiled kernels serve
         head = hf_model.lm_head
         self.head = CastLinear(head.weight, head.bias, exact_dtype(head.weight))
+        # q/k/v and o_proj through the compiled CPU kernel (`use_cpu_kernels`), where its output width fits it
+        # (the LM head stays fbgemm's: its 1 to 8 rows ran 1.25-1.4x slower in the kernel, whose [in, out] tiles
+        # stride 8 KB through a 4096-wide head)
+        lean = self.device.type == "cpu" and self.dtype == torch.float32
+
+        def kernel_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> KernelLinear | None:
+            return KernelLinear(weight, bias) if lean and weight.shape[0] % target_cpu.LANES == 0 else None
+        self.qkv_kernel = [kernel_linear(*fuse_qkv(layer.self_attn)) for layer in hf_model.model.layers]
+        self.o_proj_kernel = [kernel_linear(layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias)
+                              for layer in hf_model.model.layers]
 
     def use_expert_storage(self, name: str) -> None:
         """Read the experts from `expert_storages[name]` from now on: the same numbers from the bf16 copies,
@@ -347,13 +376,15 @@ class GptOssTarget(nn.Module):
         if hooked(attn.q_proj, attn.k_proj, attn.v_proj):
             qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
         else:
-            qkv = self.qkv[i](h)
+            qkv = (self.qkv_kernel[i] if compiled and self.qkv_kernel[i] else self.qkv[i])(h)
         if compiled:
             out = target_cpu.sink_attention_cpu(qkv, cos, sin, cache.k[i], cache.v[i], positions, self.windows[i],
                                                 getattr(self, f"sinks_{i}"), self.scale)
         else:
             out = self.torch_attention(i, qkv.view(b, t, -1, self.head_dim), cos, sin, positions, cache, kv_len, mask)
-        return attn.o_proj(out) if hooked(attn.o_proj) else self.o_proj[i](out)
+        if hooked(attn.o_proj):
+            return attn.o_proj(out)
+        return (self.o_proj_kernel[i] if compiled and self.o_proj_kernel[i] else self.o_proj[i])(out)
 
     def torch_attention(self, i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                         cache: KVArena, kv_len: int, mask: torch.Tensor | None) -> torch.Tensor:
