@@ -295,6 +295,17 @@ def test_adaptive_draft_length_trades_acceptance_against_cost():
     assert AdaptiveDraftLength({"neural": [1.0, 1.0, 1.0, 1.0]}).choose("neural", 3) == 3  # free drafts: all
 
 
+def test_a_costly_draft_is_refreshed_less_often():
+    """Refreshing an idle source's estimate spends at most `explore_share` of the idle run's time over plain steps:
+    a draft that costs 3x a plain step (+2.0) is tried again after 2.0 / (0.05 x 1.0) = 40 steps, not 8."""
+    policy = AdaptiveDraftLength({"neural": [1.0, 3.0, 3.1, 3.2]})
+    for _ in range(10):
+        policy.observe("neural", 2, [0])
+    assert [policy.choose("neural", 3) for _ in range(40)] == [0] * 39 + [1]
+    generous = AdaptiveDraftLength({"neural": [1.0, 3.0]}, explore_share=0.5)  # 4 steps pay for it: explore_every's 8
+    assert [generous.choose("neural", 1) for _ in range(8)] == [0] * 7 + [1]
+
+
 def test_untried_positions_start_at_each_source_s_prior():
     """Before any observation each source's K follows its prior alone: the neural drafter's 0.5 stops at two
     drafts where the suffix source's optimistic prior verifies every one (SOURCE_PRIORS); swapped priors swap them."""
@@ -357,7 +368,8 @@ def test_context_queued_over_steps_without_drafts_survives_rows_leaving(random_p
     """Mostly K = 0: committed features queue up between drafts while rows finish at different steps
     (and leave the batch); drafting after that must still be lossless and the drafter's context exact."""
     target, drafter, prompts, expected = random_pair
-    policy = AdaptiveDraftLength({"neural": [1.0, 2.0, 2.1, 2.2], "suffix": [1.0, 1.1, 1.2, 1.3]}, explore_every=3)
+    policy = AdaptiveDraftLength({"neural": [1.0, 2.0, 2.1, 2.2], "suffix": [1.0, 1.1, 1.2, 1.3]}, explore_every=3,
+                                 explore_share=1.0)
     proposer = SuffixDFlashProposer(DFlashProposer(drafter, target), 2, policy=policy)
     results = ReferenceRuntime(target, proposer).generate(prompts, SamplingParams(max_tokens=24), batch_size=batch_size)
     assert [r.output_token_ids for r in results] == expected
@@ -366,13 +378,19 @@ def test_context_queued_over_steps_without_drafts_survives_rows_leaving(random_p
     assert 0 < sum(r.stats.draftless_steps for r in results) < sum(r.stats.steps for r in results)
 
 
-def test_append_ragged_after_the_widest_row_left():
-    from trtllm_dflash.runtime.proposers import append_ragged
+def test_pack_ragged_keeps_each_rows_entries_in_order():
+    """Chunks of ragged rows (each row's first lens[i] valid) pack left-aligned per row, padded with zeros to the
+    longest; a single chunk is cut to its longest row."""
+    from trtllm_dflash.runtime.proposers import pack_ragged
 
-    buffer = torch.arange(2 * 4, dtype=torch.float32).view(2, 4, 1)  # row 0 held 4 entries, row 1 holds 1
-    rows = torch.tensor([1])
-    out, lens = append_ragged(buffer[rows], torch.tensor([1]), torch.tensor([[[10.0], [11.0]]]), torch.tensor([2]))
-    assert lens.tolist() == [3] and out[0, :, 0].tolist() == [4.0, 10.0, 11.0]
+    first = torch.tensor([[[1.0], [2.0], [9.0]], [[3.0], [9.0], [9.0]]])  # row 0 keeps 2, row 1 keeps 1
+    second = torch.tensor([[[4.0], [9.0]], [[5.0], [6.0]]])  # row 0 keeps 1, row 1 keeps 2
+    out, lens = pack_ragged([(first, torch.tensor([2, 1])), (second, torch.tensor([1, 2]))])
+    assert lens.tolist() == [3, 3] and out[..., 0].tolist() == [[1.0, 2.0, 4.0], [3.0, 5.0, 6.0]]
+    out, lens = pack_ragged([(first, torch.tensor([2, 0])), (second, torch.tensor([0, 1]))])
+    assert lens.tolist() == [2, 1] and out[..., 0].tolist() == [[1.0, 2.0], [5.0, 0.0]]
+    out, lens = pack_ragged([(first, torch.tensor([2, 1]))])
+    assert lens.tolist() == [2, 1] and out.shape == (2, 2, 1)
 
 
 def test_adaptive_steps_without_drafts_also_sample(random_pair):

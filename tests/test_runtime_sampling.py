@@ -123,7 +123,8 @@ def test_adaptive_draft_length_with_narrower_drafter_gemms_samples_follow_target
     monkeypatch.setattr(drafter, "_fused", None)
     def params(seed):
         return SamplingParams(max_tokens=3, temperature=0.7, seed=seed)
-    policy = AdaptiveDraftLength({"neural": neural_costs, "suffix": [1.0, 1.1, 1.2, 1.3]})
+    # explore_share 1: a costly draft is still refreshed every 8 idle steps, so both kinds of step occur
+    policy = AdaptiveDraftLength({"neural": neural_costs, "suffix": [1.0, 1.1, 1.2, 1.3]}, explore_share=1.0)
     hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target, matmul_dtype=narrow), threshold=1, policy=policy)
     counts, histogram, _ = speculative_counts(target, drafter, params, hybrid)
     if neural_costs[1] >= 2:

@@ -93,7 +93,8 @@ class DFlashProposer:
         self.plan = self.drafter.plan(self.matmul_dtype)  # the drafter stays as it is for this generate call
         self.cache = self.drafter.new_cache(batch, capacity)
         self.context_lens = torch.zeros_like(prompt_lens)
-        self.pending, self.pending_lens = features, prompt_lens.clone()
+        self.pending = [(features, prompt_lens.clone())]  # chunks (features [b, w, F], valid per row [b]), `pack_ragged`
+        self.no_features = features[:, :0]
         self.columns = torch.arange(capacity, device=device)
         self.block = torch.full((batch, self.block_size), self.mask_token_id, dtype=torch.long, device=device)
         self.write_pending_context()
@@ -103,14 +104,14 @@ class DFlashProposer:
         emptied and `context_lens` advanced past them; and a lone request's anchor position (its context
         length after them; None for a batch)."""
         lone = len(self.context_lens) == 1
+        features, lens = pack_ragged(self.pending) if self.pending else (self.no_features, torch.zeros_like(self.context_lens))
         if lone:  # a lone request's positions follow its context: one span
             positions = int(self.context_lens[0])
         else:  # A row's entries past its own pending length are padding: they land past its context, where
             # nothing reads them before they are overwritten; the clamp keeps them inside the arena.
-            positions = (self.context_lens[:, None] + self.columns[: self.pending.shape[1]]).clamp_(max=self.cache.capacity - 1)
-        features = self.pending
-        self.context_lens += self.pending_lens
-        self.pending, self.pending_lens = self.pending[:, :0], self.pending_lens.zero_()
+            positions = (self.context_lens[:, None] + self.columns[: features.shape[1]]).clamp_(max=self.cache.capacity - 1)
+        self.context_lens += lens
+        self.pending = []
         # a lone request's queue is exactly its pending length wide
         return features, positions, positions + features.shape[1] if lone else None
 
@@ -174,36 +175,37 @@ class DFlashProposer:
 
     def commit(self, features, num_accepted):
         """Queue the committed positions' features; usually the queue is empty (one step's worth),
-        but steps without drafting (draft length 0 under load) let it grow until the next draft."""
+        but steps without drafting (draft length 0 under load) let it grow until the next draft: as a list of
+        chunks, packed once when taken, since re-packing it every step cost 7% of such a step at batch 4."""
         if self.policy is not None:
             kept = num_accepted.tolist()
             self.policy.observe("neural", features.shape[1] - 1, kept)
             if features.shape[1] > 1:  # a step that verified drafts (the drafter's)
                 self.policy.calibration.observe(self.confidence.tolist(), kept)
-        self.pending, self.pending_lens = append_ragged(self.pending, self.pending_lens, features, num_accepted + 1)
+        self.pending.append((features, num_accepted + 1))
 
     def keep_rows(self, rows):
         self.cache.keep_rows(rows)
-        self.context_lens, self.pending_lens = self.context_lens[rows], self.pending_lens[rows]
-        # as wide as the longest queue left, so a lone request's queue is its own length wide
-        self.pending = self.pending[rows, : int(self.pending_lens.max())]
+        self.context_lens, self.no_features = self.context_lens[rows], self.no_features[rows]
+        self.pending = [(features[rows], lens[rows]) for features, lens in self.pending]
         self.block = self.block[rows]
 
 
-def append_ragged(buffer: torch.Tensor, lens: torch.Tensor, new: torch.Tensor, new_lens: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row i of the result = buffer[i, :lens[i]] then new[i, :new_lens[i]] (padded to the longest)."""
-    if buffer.shape[1] == 0 or not bool(lens.any()):
-        return new[:, : int(new_lens.max())], new_lens.clone()
-    total = lens + new_lens
-    out = buffer.new_zeros(buffer.shape[0], int(total.max()), buffer.shape[2])
-    kept = min(buffer.shape[1], out.shape[1])  # rows that left the batch may have made the buffer wider
-    out[:, :kept] = buffer[:, :kept]
-    columns = lens[:, None] + torch.arange(new.shape[1], device=new.device)
-    keep = torch.arange(new.shape[1], device=new.device) < new_lens[:, None]
-    rows = torch.arange(new.shape[0], device=new.device)[:, None].expand_as(columns)
-    out[rows[keep], columns[keep]] = new[keep]
-    return out, total
+def pack_ragged(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunks (features [b, w, F], lens [b]: the first lens[i] of row i are valid), in order -> row i of the
+    result holds its valid entries of every chunk, left-aligned and padded to the longest row; and their counts."""
+    if len(chunks) == 1:
+        features, lens = chunks[0]
+        return features[:, : int(lens.max())], lens.clone()
+    features = torch.cat([f for f, _ in chunks], dim=1)
+    device = features.device
+    valid = torch.cat([torch.arange(f.shape[1], device=device) < n[:, None] for f, n in chunks], dim=1)
+    lens = valid.sum(dim=1)
+    out = features.new_zeros(features.shape[0], int(lens.max()), features.shape[2])
+    columns = valid.cumsum(dim=1) - 1
+    rows = torch.arange(features.shape[0], device=device)[:, None].expand_as(columns)
+    out[rows[valid], columns[valid]] = features[valid]
+    return out, lens
 
 
 class NGramProposer:
