@@ -20,6 +20,7 @@ from types import ModuleType
 import torch
 
 DISABLE_VARIABLE = "TRTLLM_DFLASH_CPU_KERNEL"  # "0": every compiled CPU kernel off
+HEADER = Path(__file__).with_name("vector_math.h")  # included by every kernel source
 
 
 def cpu_flags() -> str:
@@ -42,7 +43,8 @@ class CompiledKernel:
 
     def build_name(self) -> str:
         key = [cpu_flags(), torch.__version__, sys.implementation.cache_tag]  # a build serves one CPU, torch and Python
-        digest = hashlib.sha256(self.source.read_bytes() + "\n".join(key).encode()).hexdigest()
+        sources = self.source.read_bytes() + HEADER.read_bytes()  # the shared header too: a change rebuilds
+        digest = hashlib.sha256(sources + "\n".join(key).encode()).hexdigest()
         return f"{self.prefix}_{digest[:12]}"
 
     def build_directory(self) -> Path:

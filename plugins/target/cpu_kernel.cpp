@@ -13,9 +13,11 @@
 //   with its sink rescaling: it rotates and writes the step's keys, then each query attends to the positions
 //   at or before its own (within the sliding window), the sink one more logit without a value.
 // Float32 products and sums throughout: the torch formulations' numbers up to summation order and the exp
-// below (< 3e-7 relative).
+// (vector_math.h: < 3e-7 relative).
 
 #include <torch/extension.h>
+
+#include "../vector_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -25,45 +27,17 @@
 
 namespace {
 
-// Sixteen floats as one vector (GCC/Clang vector extensions: AVX-512 where the CPU has it, else pairs of
-// AVX2 or SSE registers); `_u` types load and store unaligned.
-typedef float f16v __attribute__((vector_size(64)));
-typedef float f16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16v __attribute__((vector_size(64)));
+using namespace dflash_vec;
+using dflash_vec::load;  // beside the bf16 overload below (an overload here would hide it otherwise)
 typedef uint32_t u16x32 __attribute__((vector_size(64)));
 typedef uint16_t bf16x16u __attribute__((vector_size(32), aligned(2)));
-constexpr int64_t kLanes = 16;
 constexpr int kRows = 4;     // rows sharing one pass over a weight tile
 constexpr int kVectors = 4;  // a tile's columns, in vectors
 constexpr int64_t kAhead = 16;  // weight rows a tile prefetches ahead
 
-inline f16v load(const float* p) { return *reinterpret_cast<const f16u*>(p); }
 inline f16v load(const uint16_t* p) {  // bf16 -> float32: the bits moved to the top half
   const u16x32 wide = __builtin_convertvector(*reinterpret_cast<const bf16x16u*>(p), u16x32) << 16;
   return reinterpret_cast<f16v>(wide);
-}
-inline void store(float* p, f16v x) { *reinterpret_cast<f16u*>(p) = x; }
-inline f16v splat(float x) { return f16v{} + x; }
-
-// e^x as in plugins/draft_block/cpu_kernel.cpp: x = k ln 2 + f, a degree-6 Taylor polynomial for e^f
-// (relative error < 3e-7), 2^k through the exponent bits; 0 below -87, e^88 above 88.
-inline f16v vexp(f16v x) {
-  const i16v dead = x < -87.f;
-  x = dead ? splat(-87.f) : x;
-  x = x > 88.f ? splat(88.f) : x;
-  const f16v y = x * 1.44269504f + 0.5f;
-  i16v k = __builtin_convertvector(y, i16v);
-  k += __builtin_convertvector(k, f16v) > y;  // floor: true is -1
-  const f16v f = x - __builtin_convertvector(k, f16v) * 0.693147181f;
-  f16v p = splat(1.f / 720.f);
-  p = p * f + 1.f / 120.f;
-  p = p * f + 1.f / 24.f;
-  p = p * f + 1.f / 6.f;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
-  const f16v scale = reinterpret_cast<f16v>((k + 127) << 23);
-  return dead ? f16v{} : p * scale;
 }
 
 // y[r][c0 : c0 + 16 NV] = x[r] @ w[:, c0 : c0 + 16 NV] (+ bias) for NR rows: one pass over the weight tile,
