@@ -129,8 +129,8 @@ class AdaptiveDraftLength:
     step costs about an AR step, so a draft must be likely to hold). A step without drafts observes nothing,
     so after a run of such steps the source drafts again (its best K >= 1) to refresh its estimate: after
     `explore_every` steps, or more where that draft costs more, so that refreshing spends at most
-    `explore_share` of the run's time over plain steps (a drafter step at batch 4 cost 2.9x an AR step of
-    the lean target, and refreshing every 9th step made dflash-sa 12% slower there; round 17)."""
+    `explore_share` of the run's time over plain steps (a step with one drafter draft cost 2.6x an AR step of
+    the lean target at batch 4, where refreshing every 9th step cost dflash-sa 0.93x -> 0.81x AR; round 17)."""
 
     def __init__(self, costs: dict[str, list[float]], least: int = 0, decay: float = 0.9,
                  priors: dict[str, float] | None = None, explore_every: int = 8, explore_share: float = 0.05):
