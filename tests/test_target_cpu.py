@@ -107,12 +107,12 @@ def test_the_kernel_serves_only_what_it_takes():
     mlp = random_mlp(4, 2, 64, 64, seed=0)
     gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
     x = torch.randn(3, 64)
-    assert cpu.serves(x, gate_up, down) and cpu.serves(x, gate_up.bfloat16(), down.bfloat16())
-    assert not cpu.serves(x, [gate_up[0]], down)
-    assert not cpu.serves(x, gate_up.bfloat16(), down)
-    assert not cpu.serves(x.bfloat16(), gate_up, down)
+    assert cpu.moe_serves(x, gate_up, down) and cpu.moe_serves(x, gate_up.bfloat16(), down.bfloat16())
+    assert not cpu.moe_serves(x, [gate_up[0]], down)
+    assert not cpu.moe_serves(x, gate_up.bfloat16(), down)
+    assert not cpu.moe_serves(x.bfloat16(), gate_up, down)
     odd = random_mlp(4, 2, 24, 64, seed=0)
-    assert not cpu.serves(torch.randn(3, 24), odd.experts.gate_up_proj, odd.experts.down_proj)
+    assert not cpu.moe_serves(torch.randn(3, 24), odd.experts.gate_up_proj, odd.experts.down_proj)
     with torch.inference_mode():  # there `compiled` falls back to the torch formulation: the same numbers
         y = torch.randn(3, 24)
         assert torch.equal(routed_experts(y, odd, compiled=True), routed_experts(y, odd))

@@ -27,8 +27,8 @@ def target_kernels():
     return KERNEL.module()
 
 
-def serves(x: torch.Tensor, gate_up: object, down: object) -> bool:
-    """Whether the kernel takes these: float32 CPU tokens, experts as float32 or bf16 CPU tensors alike
+def moe_serves(x: torch.Tensor, gate_up: object, down: object) -> bool:
+    """Whether the MoE kernel takes these: float32 CPU tokens, experts as float32 or bf16 CPU tensors alike
     ([E, H, 2I], [E, I, H]; not fbgemm's packed copies), H and I multiples of `LANES`, the kernel built."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and isinstance(gate_up, torch.Tensor)
             and isinstance(down, torch.Tensor) and gate_up.device.type == "cpu" and gate_up.dtype == down.dtype

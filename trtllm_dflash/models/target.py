@@ -167,7 +167,7 @@ def routed_experts(x: torch.Tensor, mlp: nn.Module, gate_up_proj: ExpertMatrices
     experts = mlp.experts
     gate_up_proj = experts.gate_up_proj if gate_up_proj is None else gate_up_proj
     down_proj = experts.down_proj if down_proj is None else down_proj
-    if compiled and target_cpu.serves(x, gate_up_proj, down_proj):
+    if compiled and target_cpu.moe_serves(x, gate_up_proj, down_proj):
         router = mlp.router
         if hooked(router):
             _, scores, indices = router(x)
@@ -278,6 +278,10 @@ class GptOssTarget(nn.Module):
         self.norm_weights = [(doubled_weight(layer.input_layernorm), doubled_weight(layer.post_attention_layernorm))
                              for layer in hf_model.model.layers]  # `rms_norm`'s
         self.final_norm = doubled_weight(hf_model.model.norm)
+        # the norm after each layer's residual add: the next layer's input norm, after the last the final one
+        layers = hf_model.model.layers
+        self.next_norms = [(layer.input_layernorm, weights[0]) for layer, weights in zip(layers[1:], self.norm_weights[1:])]
+        self.next_norms.append((hf_model.model.norm, self.final_norm))
         for i, layer in enumerate(hf_model.model.layers):
             attn = layer.self_attn
             qkv_weight, qkv_bias = fuse_qkv(attn)
@@ -298,7 +302,7 @@ class GptOssTarget(nn.Module):
         if all(copy is not None for pair in half for copy in pair):
             self.expert_storages["float16"] = half
         self.use_expert_storage(next(iter(self.expert_storages)))
-        self.use_cpu_kernels = True  # False: the MoE and the add + RMSNorms in torch even where compiled kernels serve
+        self.use_cpu_kernels = True  # False: attention, MoE and add + RMSNorms in torch even where compiled kernels serve
         head = hf_model.lm_head
         self.head = CastLinear(head.weight, head.bias, exact_dtype(head.weight))
         # q/k/v and o_proj through the compiled CPU kernel (`use_cpu_kernels`), where its output width fits it
@@ -321,13 +325,13 @@ class GptOssTarget(nn.Module):
     def compiled_parts(self, storage: str | None = None) -> list[str]:
         """The parts of the lean path that run compiled CPU kernels ("attention", "moe", "add_rms_norm"); none
         unless `use_cpu_kernels`. "moe" where the kernel takes the experts' storage `storage` (default: the
-        current one; `target_cpu.serves`)."""
+        current one; `target_cpu.moe_serves`)."""
         if not self.use_cpu_kernels:
             return []
         gate_up, down = self.expert_storages[storage][0] if storage else self.expert_weights[0]
         probe = torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device)
         served = {"attention": target_cpu.attention_serves(probe, self.head_dim),
-                  "moe": target_cpu.serves(probe, gate_up, down), "add_rms_norm": draft_cpu.serves(probe)}
+                  "moe": target_cpu.moe_serves(probe, gate_up, down), "add_rms_norm": draft_cpu.serves(probe)}
         return [part for part, serves in served.items() if serves]
 
     @property
@@ -420,9 +424,6 @@ class GptOssTarget(nn.Module):
         captured = {}
         b, t, _ = x.shape
         layers = self.hf.model.layers
-        # each residual add goes with the norm after it: the next layer's input norm, after the last the final one
-        next_norms = [(layer.input_layernorm, weights[0]) for layer, weights in zip(layers[1:], self.norm_weights[1:])]
-        next_norms.append((self.hf.model.norm, self.final_norm))
         h = rms_norm(x, layers[0].input_layernorm, self.norm_weights[0][0])
         for i, layer in enumerate(layers):
             attention = self.attention(i, h, cos, sin, positions, cache, kv_len, masks.get(self.windows[i]),
@@ -433,7 +434,7 @@ class GptOssTarget(nn.Module):
                                      compiled=compiled).view(b, t, -1)
             else:
                 moe = layer.mlp(h)[0]
-            x, h = add_rms_norm(x, moe, *next_norms[i], compiled)
+            x, h = add_rms_norm(x, moe, *self.next_norms[i], compiled)  # each residual add with the norm after it
             if i in feature_layers:
                 captured[i] = x
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
