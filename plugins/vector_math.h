@@ -1,4 +1,4 @@
-// Sixteen-float vectors and the exp both compiled CPU kernel files use (plugins/draft_block/cpu_kernel.cpp,
+// Sixteen-float vectors, the exp and RoPE's rotation both compiled CPU kernel files use (plugins/draft_block/cpu_kernel.cpp,
 // plugins/target/cpu_kernel.cpp; `plugins/compiled.py` rebuilds a kernel when this file changes).
 #pragma once
 
@@ -37,6 +37,15 @@ inline f16v vexp(f16v x) {
   p = p * f + 1.f;
   const f16v scale = reinterpret_cast<f16v>((k + 127) << 23);
   return dead ? f16v{} : p * scale;
+}
+
+// x [D] rotated by cos / sin [D] (rope.rotate: x * cos + roll(x, D/2) * sin, sin signed) -> out [D].
+inline void rotate(const float* x, const float* cos, const float* sin, int64_t d, float* out) {
+  const int64_t half = d / 2;
+#pragma omp simd
+  for (int64_t e = 0; e < half; ++e) out[e] = x[e] * cos[e] + x[e + half] * sin[e];
+#pragma omp simd
+  for (int64_t e = half; e < d; ++e) out[e] = x[e] * cos[e] + x[e - half] * sin[e];
 }
 
 }  // namespace dflash_vec

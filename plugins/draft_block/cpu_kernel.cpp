@@ -20,6 +20,8 @@
 
 namespace {
 
+using namespace dflash_vec;
+
 // x [D] (stride 1) -> out: RMSNorm times w, then the rotation; without w, a copy.
 void prologue(const float* x, int64_t d, const float* w, const float* cos, const float* sin, float eps,
               float* normed, float* out) {
@@ -33,14 +35,9 @@ void prologue(const float* x, int64_t d, const float* w, const float* cos, const
   const float inv = 1.f / std::sqrt(sum / static_cast<float>(d) + eps);
 #pragma omp simd
   for (int64_t e = 0; e < d; ++e) normed[e] = x[e] * inv * w[e];
-  const int64_t half = d / 2;
-#pragma omp simd
-  for (int64_t e = 0; e < half; ++e) out[e] = normed[e] * cos[e] + normed[e + half] * sin[e];
-#pragma omp simd
-  for (int64_t e = half; e < d; ++e) out[e] = normed[e] * cos[e] + normed[e - half] * sin[e];
+  rotate(normed, cos, sin, d, out);
 }
 
-using namespace dflash_vec;
 constexpr int64_t kKeys = 8;
 
 void check(const torch::Tensor& t, const char* name, int64_t dims) {

@@ -164,15 +164,6 @@ inline float lane_sum(f16v v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// x [D] rotated by cos / sin [D] (rope.rotate: x * cos + roll(x, D/2) * sin, sin signed) -> out [D].
-void rotate(const float* x, const float* cos, const float* sin, int64_t d, float* out) {
-  const int64_t half = d / 2;
-#pragma omp simd
-  for (int64_t e = 0; e < half; ++e) out[e] = x[e] * cos[e] + x[e + half] * sin[e];
-#pragma omp simd
-  for (int64_t e = half; e < d; ++e) out[e] = x[e] * cos[e] + x[e - half] * sin[e];
-}
-
 // out[e0 : e0 + 16 N] = sum over keys k of weights[k] * value[k][e0 : ...] / total: N accumulators, one pass.
 template <int N>
 void weighted_values(const float* weights, const float* value, int64_t count, int64_t d, int64_t e0, float total,

@@ -282,11 +282,21 @@ class GptOssTarget(nn.Module):
         layers = hf_model.model.layers
         self.next_norms = [(layer.input_layernorm, weights[0]) for layer, weights in zip(layers[1:], self.norm_weights[1:])]
         self.next_norms.append((hf_model.model.norm, self.final_norm))
+        # q/k/v and o_proj also through the compiled CPU kernel (`use_cpu_kernels`) where its output width fits it
+        # (the LM head stays fbgemm's: its 1 to 8 rows ran 1.25-1.4x slower in the kernel, whose [in, out] tiles
+        # stride 8 KB through a 4096-wide head)
+        lean = self.device.type == "cpu" and self.dtype == torch.float32
+
+        def kernel_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> KernelLinear | None:
+            return KernelLinear(weight, bias) if lean and weight.shape[0] % target_cpu.LANES == 0 else None
+        self.qkv_kernel, self.o_proj_kernel = [], []
         for i, layer in enumerate(hf_model.model.layers):
             attn = layer.self_attn
             qkv_weight, qkv_bias = fuse_qkv(attn)
             self.qkv.append(CastLinear(qkv_weight, qkv_bias, exact_dtype(qkv_weight)))
             self.o_proj.append(CastLinear(attn.o_proj.weight, attn.o_proj.bias, exact_dtype(attn.o_proj.weight)))
+            self.qkv_kernel.append(kernel_linear(qkv_weight, qkv_bias))
+            self.o_proj_kernel.append(kernel_linear(attn.o_proj.weight, attn.o_proj.bias))
             sinks = attn.sinks.detach().float().view(self.num_kv_heads, self.groups, 1)
             self.register_buffer(f"sinks_{i}", sinks, persistent=False)
         originals = [(layer.mlp.experts.gate_up_proj.detach(), layer.mlp.experts.down_proj.detach())
@@ -305,16 +315,6 @@ class GptOssTarget(nn.Module):
         self.use_cpu_kernels = True  # False: attention, MoE and add + RMSNorms in torch even where compiled kernels serve
         head = hf_model.lm_head
         self.head = CastLinear(head.weight, head.bias, exact_dtype(head.weight))
-        # q/k/v and o_proj through the compiled CPU kernel (`use_cpu_kernels`), where its output width fits it
-        # (the LM head stays fbgemm's: its 1 to 8 rows ran 1.25-1.4x slower in the kernel, whose [in, out] tiles
-        # stride 8 KB through a 4096-wide head)
-        lean = self.device.type == "cpu" and self.dtype == torch.float32
-
-        def kernel_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> KernelLinear | None:
-            return KernelLinear(weight, bias) if lean and weight.shape[0] % target_cpu.LANES == 0 else None
-        self.qkv_kernel = [kernel_linear(*fuse_qkv(layer.self_attn)) for layer in hf_model.model.layers]
-        self.o_proj_kernel = [kernel_linear(layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias)
-                              for layer in hf_model.model.layers]
 
     def use_expert_storage(self, name: str) -> None:
         """Read the experts from `expert_storages[name]` from now on: the same numbers from the bf16 copies,
