@@ -13,13 +13,15 @@ from trtllm_dflash.models import linear
 from trtllm_dflash.models.linear import NARROW_MIN_WEIGHTS, CastLinear, drafter_gemm_dtype, gemm_dtype
 from trtllm_dflash.models.random_pair import random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
+from trtllm_dflash.plugins.draft_block import cpu as draft_cpu
 
 CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("shape", [(16, 5), (3, 7, 64), (2, 1, 8, 64)])
-def test_cast_linear_is_a_rounded_linear_in_the_input_dtype(shape, with_bias):
+def test_cast_linear_is_a_rounded_linear_in_the_input_dtype(shape, with_bias, monkeypatch):
+    monkeypatch.setattr(draft_cpu, "dot_serves", lambda weight: False)  # torch's bf16 GEMMs (tests/test_dot_gemm.py: the kernel's)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(48, shape[-1], generator=gen)
     bias = torch.randn(48, generator=gen) if with_bias else None
@@ -55,6 +57,7 @@ def test_a_packed_narrow_gemm_hands_few_rows_to_a_wider_copy(rows, fbgemm, monke
     if fbgemm and not linear.fbgemm_fp16():
         pytest.skip(NO_FBGEMM)
     monkeypatch.setattr(linear, "onednn_packs", lambda dtype, device: dtype == torch.bfloat16)  # any CPU
+    monkeypatch.setattr(draft_cpu, "dot_serves", lambda weight: False)  # where the compiled bf16 GEMM does not run
     monkeypatch.setattr(linear, "fbgemm_fp16", lambda: fbgemm)
     weight, bias, x = torch.randn(48, 64), torch.randn(48), torch.randn(1, rows, 64)
     layer = CastLinear(weight, bias, torch.bfloat16)

@@ -89,3 +89,37 @@ def write_context_kv_cpu(keys: torch.Tensor, values: torch.Tensor, k_norm: torch
     tensor = None if isinstance(positions, int) else positions
     cpu_kernel().write_context_kv(keys, values, k_norm, cos, sin, arena_keys, arena_values, tensor,
                                   positions if tensor is None else 0, eps)
+
+
+DOT_KERNEL = CompiledKernel(Path(__file__).with_name("dot_gemm.cpp"), "dflash_dot_gemm_cpu",
+                            "compiled CPU bf16 GEMM of the drafter", "its bf16 GEMMs run through oneDNN")
+DOT_GROUP = 16  # output columns per packed group: the output width must be a multiple
+DOT_INPUT_MULTIPLE = 32  # the input width must be a multiple
+
+
+def dot_kernel():
+    """The compiled bf16 GEMM module where it runs here (a CPU with AVX512-BF16, the source built), else None."""
+    module = DOT_KERNEL.module()
+    return module if module is not None and module.available() else None
+
+
+def dot_serves(weight: torch.Tensor) -> bool:
+    """Whether `dot_linear_cpu` takes a GEMM over `weight` [out, in]: a CPU tensor, out a multiple of `DOT_GROUP`,
+    in of `DOT_INPUT_MULTIPLE`, the kernel running here."""
+    out, inputs = weight.shape
+    return (weight.device.type == "cpu" and out % DOT_GROUP == 0 and inputs % DOT_INPUT_MULTIPLE == 0
+            and dot_kernel() is not None)
+
+
+def dot_pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [out, in] -> its bf16 copy packed as `dot_linear_cpu` reads it: [out / 16, in / 2, 16, 2], each group of 16
+    output columns' pairs of inputs one after another (`dot_gemm.cpp`)."""
+    out, inputs = weight.shape
+    grouped = weight.detach().to(torch.bfloat16).view(out // DOT_GROUP, DOT_GROUP, inputs // 2, 2)
+    return grouped.transpose(1, 2).contiguous()
+
+
+def dot_linear_cpu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x float32 [..., in] @ W.T + bias (float32 [out] or None) from W's `dot_pack` -> float32 [..., out]: x rounded
+    to bf16, float32 products and sums (AVX512-BF16 dot products)."""
+    return dot_kernel().dot_linear(x.contiguous(), packed, bias)
