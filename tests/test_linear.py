@@ -193,3 +193,13 @@ def test_target_lm_head_keeps_gradients_for_training(half):
     hidden = torch.randn(3, 5, target.hidden_size, requires_grad=True)
     target.lm_head(hidden).logsumexp(-1).sum().backward()
     assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+
+
+def test_a_cpu_without_avx512_bf16_builds_no_dot_gemm(monkeypatch):
+    """Where the CPU lacks the instruction the dot GEMM is not even built, and a bf16 GEMM keeps oneDNN's path
+    (or F.linear on the copy where oneDNN does not pack)."""
+    monkeypatch.setattr(draft_cpu, "cpu_flags", lambda: "flags\t\t: fpu sse2 avx2 fma")
+    monkeypatch.setattr(draft_cpu.DOT_KERNEL, "module", lambda: pytest.fail("built the dot GEMM without avx512_bf16"))
+    assert draft_cpu.dot_kernel() is None and not draft_cpu.dot_serves(torch.empty(32, 64))
+    layer = CastLinear(torch.randn(32, 64), None, torch.bfloat16)
+    assert not layer.dot and layer.packed == linear.onednn_packs(torch.bfloat16, CPU)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..compiled import DISABLE_VARIABLE, CompiledKernel
+from ..compiled import DISABLE_VARIABLE, CompiledKernel, cpu_flags
 
 KERNEL = CompiledKernel(Path(__file__).with_name("cpu_kernel.cpp"), "dflash_draft_block_cpu",
                         "compiled CPU draft-step kernels", "the drafter runs its torch formulation")
@@ -98,7 +98,10 @@ DOT_INPUT_MULTIPLE = 32  # the input width must be a multiple
 
 
 def dot_kernel():
-    """The compiled bf16 GEMM module where it runs here (a CPU with AVX512-BF16, the source built), else None."""
+    """The compiled bf16 GEMM module where it runs here (a CPU with AVX512-BF16, the source built), else None.
+    Elsewhere nothing is built: the source would compile to a module without the GEMM."""
+    if "avx512_bf16" not in cpu_flags().split():
+        return None
     module = DOT_KERNEL.module()
     return module if module is not None and module.available() else None
 
