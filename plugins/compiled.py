@@ -23,8 +23,10 @@ DISABLE_VARIABLE = "TRTLLM_DFLASH_CPU_KERNEL"  # "0": every compiled CPU kernel 
 HEADER = Path(__file__).with_name("vector_math.h")  # included by every kernel source
 
 
+@functools.cache
 def cpu_flags() -> str:
-    """The CPU's feature flags (the build uses -march=native, so a binary must not move to another CPU)."""
+    """The CPU's feature flags (the build uses -march=native, so a binary must not move to another CPU); read once
+    a process (reading /proc/cpuinfo takes ~40 us)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):

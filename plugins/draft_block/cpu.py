@@ -124,5 +124,6 @@ def dot_pack(weight: torch.Tensor) -> torch.Tensor:
 
 def dot_linear_cpu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x float32 [..., in] @ W.T + bias (float32 [out] or None) from W's `dot_pack` -> float32 [..., out]: x rounded
-    to bf16, float32 products and sums (AVX512-BF16 dot products)."""
-    return dot_kernel().dot_linear(x.contiguous(), packed, bias)
+    to bf16, float32 products and sums (AVX512-BF16 dot products). Where `dot_serves` said so: a GEMM's hot path,
+    so it asks nothing again."""
+    return DOT_KERNEL.module().dot_linear(x.contiguous(), packed, bias)
