@@ -63,11 +63,12 @@ def main() -> None:
                 for variant, fn in variants.items():
                     times[variant].append(per_call_us(fn, args.calls))
             flops = 2 * rows * inputs * out
-            cells = [f"{v} {statistics.median(t):6.1f} ({min(t):.1f}..{max(t):.1f}) "
-                     f"{flops / statistics.median(t) / 1e3:5.0f} GF" for v, t in times.items()]
-            ratio = statistics.median(times["dot"]) / min(statistics.median(t) for v, t in times.items() if v != "dot") \
-                if len(times) > 1 else float("nan")
-            print(f"rows {rows:3d} {name:<14} {out:4d}x{inputs:<4d} " + " | ".join(cells) + f" | dot/best other {ratio:.2f}")
+            medians = {v: statistics.median(t) for v, t in times.items()}
+            cells = [f"{v} {medians[v]:6.1f} ({min(t):.1f}..{max(t):.1f}) {flops / medians[v] / 1e3:5.0f} GF"
+                     for v, t in times.items()]
+            others = [m for v, m in medians.items() if v != "dot"]
+            ratio = f" | dot/best other {medians['dot'] / min(others):.2f}" if others else ""
+            print(f"rows {rows:3d} {name:<14} {out:4d}x{inputs:<4d} " + " | ".join(cells) + ratio)
 
 
 if __name__ == "__main__":
