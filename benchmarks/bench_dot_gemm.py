@@ -1,4 +1,4 @@
-"""The drafter's GEMMs at its step's row counts: the compiled AVX512-BF16 GEMM (`plugins/draft_block/dot_gemm.cpp`)
+"""The drafter's GEMMs at its step's row counts: the compiled AVX512-BF16 GEMM (`plugins/draft_block/dot_gemm.h`)
 beside fbgemm's float16-weight GEMM and oneDNN's prepacked bf16 one, interleaved per repeat, with the FLOP rate.
 
     python benchmarks/bench_dot_gemm.py [--rows 1,8,11,56] [--repeats 5] [--calls 2000] [--threads 1]

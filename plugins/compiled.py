@@ -45,7 +45,8 @@ class CompiledKernel:
 
     def build_name(self) -> str:
         key = [cpu_flags(), torch.__version__, sys.implementation.cache_tag]  # a build serves one CPU, torch and Python
-        sources = self.source.read_bytes() + HEADER.read_bytes()  # the shared header too: a change rebuilds
+        headers = [HEADER, *sorted(self.source.parent.glob("*.h"))]  # the shared header and the source's own
+        sources = self.source.read_bytes() + b"".join(h.read_bytes() for h in headers)  # a change to any rebuilds
         digest = hashlib.sha256(sources + "\n".join(key).encode()).hexdigest()
         return f"{self.prefix}_{digest[:12]}"
 

@@ -1,4 +1,4 @@
-"""The compiled AVX512-BF16 GEMM of the drafter (plugins/draft_block/dot_gemm.cpp): its sums against a float64
+"""The compiled AVX512-BF16 GEMM of the drafter (plugins/draft_block/dot_gemm.h): its sums against a float64
 GEMM of the bf16-rounded operands, its packing, threads, refusals, and `CastLinear`'s use of it for bf16 GEMMs."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from trtllm_dflash.models.linear import CastLinear
 from trtllm_dflash.plugins.draft_block import cpu
 
 pytestmark = pytest.mark.skipif(cpu.dot_kernel() is None,
-                                reason=f"no AVX512-BF16 GEMM here ({cpu.DOT_KERNEL.unavailable_reason() or 'CPU lacks avx512_bf16'})")
+                                reason=f"no AVX512-BF16 GEMM here ({cpu.unavailable_reason() or 'CPU lacks avx512_bf16'})")
 
 
 def bf16_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -198,3 +198,50 @@ def test_greedy_drafts_and_their_confidence_match_the_torch_path():
     (drafts, q, confidence), (expected_drafts, expected_q, expected_confidence) = compiled_and_torch(drafter, run)
     assert torch.equal(drafts, expected_drafts) and q is None and expected_q is None
     torch.testing.assert_close(confidence, expected_confidence, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(cpu.dot_kernel() is None, reason="no AVX512-BF16 GEMM here")
+@pytest.mark.parametrize("batch,window,greedy", [(1, None, True), (1, 10, False), (3, None, True), (3, 10, False)])
+def test_the_whole_compiled_step_drafts_what_the_per_call_path_drafts(batch, window, greedy):
+    """A drafter step in one compiled call (`WholeDraftStep`, every GEMM the bf16 dot kernel) from the same state as
+    the per-call compiled path, over steps that commit 1-4 tokens and a window that cuts: the same drafts, confidences
+    and sampling distributions, and the same context K/V in the arena."""
+    config = tiny_target_config(vocab_size=272)  # widths the dot GEMM takes (multiples of 16 out, 32 in)
+    target = GptOssTarget(random_target(config, seed=1))
+    drafter = random_drafter(dataclasses.replace(drafter_config_for(config, num_layers=2, block_size=4),
+                                                 sliding_window=window), seed=2)
+    norms = torch.Generator().manual_seed(3)
+    for name, param in drafter.named_parameters():  # distinct norms, so that swapping two would show
+        if name.endswith("norm.weight"):
+            param.data.uniform_(0.5, 1.5, generator=norms)
+    prompts = torch.randint(2, 250, (batch, 12), generator=torch.Generator().manual_seed(7))
+    lens = torch.tensor([12, 7, 10][:batch])
+    params = SamplingParams() if greedy else SamplingParams(temperature=0.7)
+    accepted = [[0, 3, 1][:batch], [3, 0, 2][:batch], [1, 1, 3][:batch]]
+
+    def run(whole: bool):
+        proposer = DFlashProposer(drafter, target, matmul_dtype=torch.bfloat16)
+        proposer.keep_confidence = True
+        _, features = target(prompts, torch.arange(12).expand(batch, -1), target.new_cache(batch, 60),
+                             proposer.feature_layers)
+        proposer.start(features, lens, 60)
+        assert proposer.whole_step is not None
+        if not whole:
+            proposer.whole_step = None
+        gen, steps, positions = torch.Generator().manual_seed(8), [], lens.clone()
+        for step, kept in enumerate(accepted):
+            anchors = torch.randint(2, 250, (batch,), generator=gen)
+            drafts, q = proposer.draft(anchors, positions, 3, params, torch.Generator().manual_seed(step))
+            steps.append((drafts, q, proposer.confidence))
+            proposer.commit(torch.randn(batch, 4, features.shape[-1], generator=gen), torch.tensor(kept))
+            positions = positions + torch.tensor(kept) + 1
+        return steps, proposer.cache
+
+    (whole_steps, whole_cache), (steps, cache) = run(True), run(False)
+    for (drafts, q, confidence), (expected_drafts, expected_q, expected_confidence) in zip(whole_steps, steps):
+        assert torch.equal(drafts, expected_drafts)
+        torch.testing.assert_close(confidence, expected_confidence, rtol=1e-6, atol=1e-7)
+        assert (q is None) == greedy and (expected_q is None) == greedy
+        if not greedy:
+            torch.testing.assert_close(q, expected_q, rtol=1e-6, atol=1e-7)
+    assert torch.equal(whole_cache.keys, cache.keys) and torch.equal(whole_cache.values, cache.values)

@@ -4,6 +4,8 @@ blocks of rows against the plain float32 GEMM."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -13,6 +15,7 @@ from trtllm_dflash.models import linear
 from trtllm_dflash.models.linear import NARROW_MIN_WEIGHTS, CastLinear, drafter_gemm_dtype, gemm_dtype
 from trtllm_dflash.models.random_pair import random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
+from trtllm_dflash.plugins.compiled import cpu_flags
 from trtllm_dflash.plugins.draft_block import cpu as draft_cpu
 
 CPU = torch.device("cpu")
@@ -195,11 +198,14 @@ def test_target_lm_head_keeps_gradients_for_training(half):
     assert hidden.grad is not None and hidden.grad.abs().sum() > 0
 
 
-def test_a_cpu_without_avx512_bf16_builds_no_dot_gemm(monkeypatch):
-    """Where the CPU lacks the instruction the dot GEMM is not even built, and a bf16 GEMM keeps oneDNN's path
-    (or F.linear on the copy where oneDNN does not pack)."""
-    monkeypatch.setattr(draft_cpu, "cpu_flags", lambda: "flags\t\t: fpu sse2 avx2 fma")
-    monkeypatch.setattr(draft_cpu.DOT_KERNEL, "module", lambda: pytest.fail("built the dot GEMM without avx512_bf16"))
+def test_the_dot_gemm_is_built_exactly_where_the_cpu_has_avx512_bf16(monkeypatch):
+    """The kernels' module (built with -march=native) has the dot GEMM exactly where /proc/cpuinfo lists
+    avx512_bf16; where it has none, a bf16 GEMM keeps oneDNN's path (or F.linear on the copy where oneDNN does not
+    pack)."""
+    module = draft_cpu.cpu_kernel()
+    if module is not None:
+        assert bool(module.dot_available()) == ("avx512_bf16" in cpu_flags().split())
+    monkeypatch.setattr(draft_cpu.KERNEL, "module", lambda: SimpleNamespace(dot_available=lambda: False))
     assert draft_cpu.dot_kernel() is None and not draft_cpu.dot_serves(torch.empty(32, 64))
     layer = CastLinear(torch.randn(32, 64), None, torch.bfloat16)
     assert not layer.dot and layer.packed == linear.onednn_packs(torch.bfloat16, CPU)

@@ -5,7 +5,8 @@ drafter's lean path hands each layer's QK-norm + RoPE + block attention, its res
 next RMSNorm and its SiLU-and-multiply to one call each, and so do the context K/V writes and the greedy
 drafts (float32; head_dim a multiple of 16). How the source is built and when it is not: `plugins/compiled.py`;
 where ``cpu_kernel()`` returns None the drafter runs its torch formulation. Their numbers are the torch path's
-to float32 rounding (tests/test_draft_block_cpu.py), not bit for bit: drafts need not be exact.
+to float32 rounding (tests/test_draft_block_cpu.py), not bit for bit: drafts need not be exact. Where the module
+has the bf16 GEMM, `WholeDraftStep` runs a drafter step, GEMMs and LM head included, in one call.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..compiled import DISABLE_VARIABLE, CompiledKernel, cpu_flags
+from ..compiled import DISABLE_VARIABLE, CompiledKernel
 
 KERNEL = CompiledKernel(Path(__file__).with_name("cpu_kernel.cpp"), "dflash_draft_block_cpu",
                         "compiled CPU draft-step kernels", "the drafter runs its torch formulation")
@@ -91,19 +92,15 @@ def write_context_kv_cpu(keys: torch.Tensor, values: torch.Tensor, k_norm: torch
                                   positions if tensor is None else 0, eps)
 
 
-DOT_KERNEL = CompiledKernel(Path(__file__).with_name("dot_gemm.cpp"), "dflash_dot_gemm_cpu",
-                            "compiled CPU bf16 GEMM of the drafter", "its bf16 GEMMs run through oneDNN")
 DOT_GROUP = 16  # output columns per packed group: the output width must be a multiple
 DOT_INPUT_MULTIPLE = 32  # the input width must be a multiple
 
 
 def dot_kernel():
-    """The compiled bf16 GEMM module where it runs here (a CPU with AVX512-BF16, the source built), else None.
-    Elsewhere nothing is built: the source would compile to a module without the GEMM."""
-    if "avx512_bf16" not in cpu_flags().split():
-        return None
-    module = DOT_KERNEL.module()
-    return module if module is not None and module.available() else None
+    """The compiled module where it has the bf16 GEMM (`dot_gemm.h`: a CPU with AVX512-BF16, the source built), else
+    None. (Built with -march=native, the module has the GEMM exactly where the CPU has the instruction.)"""
+    module = cpu_kernel()
+    return module if module is not None and module.dot_available() else None
 
 
 def dot_serves(weight: torch.Tensor) -> bool:
@@ -116,7 +113,7 @@ def dot_serves(weight: torch.Tensor) -> bool:
 
 def dot_pack(weight: torch.Tensor) -> torch.Tensor:
     """W [out, in] -> its bf16 copy packed as `dot_linear_cpu` reads it: [out / 16, in / 2, 16, 2], each group of 16
-    output columns' pairs of inputs one after another (`dot_gemm.cpp`)."""
+    output columns' pairs of inputs one after another (`dot_gemm.h`)."""
     out, inputs = weight.shape
     grouped = weight.detach().to(torch.bfloat16).view(out // DOT_GROUP, DOT_GROUP, inputs // 2, 2)
     return grouped.transpose(1, 2).contiguous()
@@ -126,4 +123,22 @@ def dot_linear_cpu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     """x float32 [..., in] @ W.T + bias (float32 [out] or None) from W's `dot_pack` -> float32 [..., out]: x rounded
     to bf16, float32 products and sums (AVX512-BF16 dot products). Where `dot_serves` said so: a GEMM's hot path,
     so it asks nothing again."""
-    return DOT_KERNEL.module().dot_linear(x.contiguous(), packed, bias)
+    return KERNEL.module().dot_linear(x.contiguous(), packed, bias)
+
+
+class WholeDraftStep:
+    """A drafter step in one compiled call (`cpu_kernel.cpp` `DraftStep`, built by `DFlashDrafter.whole_step`): the
+    committed tokens' context K/V, the block through every layer, the draft logits and, when greedy, the drafts."""
+
+    def __init__(self, step, embedding: torch.Tensor, rope: torch.Tensor):
+        self.step, self.embedding, self.rope = step, embedding, rope  # rope: `Rotary.table`, covering the arena
+
+    def __call__(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor | int, cache,
+                 context_lens: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """tokens [b, B] (anchor, mask ids), features [b, n, F] at arena `positions` [b, n] (or a lone request's int
+        first position), the `KVArena`, context_lens [b] counting them -> logits [b, B - 1, V] and, when `greedy`,
+        (drafts, their softmax peak) as `greedy_peak_cpu` gives them."""
+        tensor = None if isinstance(positions, int) else positions
+        out = self.step.step(tokens, self.embedding, features, tensor, positions if tensor is None else 0, cache.keys,
+                             cache.values, context_lens, self.rope, greedy)
+        return out[0], (out[1], out[2]) if greedy else None

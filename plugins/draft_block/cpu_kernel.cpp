@@ -1,388 +1,143 @@
-// The drafter step's work between its GEMMs, on CPU in float32, one call each (plugins/draft_block/cpu.py
-// builds and loads this file; reference.py defines the attention's semantics).
+// The drafter's CPU kernels as one extension module (plugins/draft_block/cpu.py builds and loads this file): the draft
+// step's float32 ops between GEMMs (draft_ops.h), the AVX512-BF16 GEMM (dot_gemm.h), and `DraftStep`, a whole
+// drafter step in one call.
 //
-// Why compiled: on a small drafter a CPU step is bound by the count of tensor ops torch eager dispatches,
-// not by arithmetic. `draft_block_attention` replaces the ~15 ops a layer's QK-norm, RoPE, arena write/read
-// and attention took: with `q_norm` given it applies the layer's QK-norm (RMSNorm over each head, times the
-// weight) and the rotation by cos/sin (`rope.rotate`: x * cos + roll(x, D/2) * sin, sin signed) to q and k_blk
-// first, so the raw q/k/v GEMM output goes in as strided views, and the block's K/V stay in the call (the
-// arena is only read, on [0, ctx_lens[i])). The others fuse a residual add with the next RMSNorm, SwiGLU's
-// gate, the committed tokens' context K/V writes and the greedy drafts with their confidence.
+// Why a whole step: with each GEMM and op compiled, a lone request's drafter step still made ~25 calls from Python,
+// each with its argument parsing, views and output allocation; the step's own arithmetic is ~0.25 ms.
 
 #include <torch/extension.h>
 
-#include "../vector_math.h"
+#include "dot_gemm.h"
+#include "draft_ops.h"
 
-#include <algorithm>
-#include <cmath>
-#include <limits>
-#include <type_traits>
+#include <utility>
 #include <vector>
 
+// A GEMM's weight as `dot_pack` lays it out (cpu.py) and its float32 bias, or None.
+using PackedLinear = std::pair<torch::Tensor, c10::optional<torch::Tensor>>;
+
 namespace {
 
-using namespace dflash_vec;
-
-// x [D] (stride 1) -> out: RMSNorm times w, then the rotation; without w, a copy.
-void prologue(const float* x, int64_t d, const float* w, const float* cos, const float* sin, float eps,
-              float* normed, float* out) {
-  if (w == nullptr) {
-    std::copy(x, x + d, out);
-    return;
-  }
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t e = 0; e < d; ++e) sum += x[e] * x[e];
-  const float inv = 1.f / std::sqrt(sum / static_cast<float>(d) + eps);
-#pragma omp simd
-  for (int64_t e = 0; e < d; ++e) normed[e] = x[e] * inv * w[e];
-  rotate(normed, cos, sin, d, out);
+torch::Tensor gemm(const PackedLinear& linear, const torch::Tensor& x) {
+  return dot_linear(x.contiguous(), linear.first, linear.second);
 }
 
-constexpr int64_t kKeys = 8;
+// The cos/sin table's rows [positions, 2, D] of each slot of a block at its request's context length: [b * B, 2, D].
+torch::Tensor block_rope(const torch::Tensor& rope, const torch::Tensor& context_lens, int64_t width) {
+  if (context_lens.size(0) == 1) return rope.narrow(0, context_lens.item<int64_t>(), width);  // a view, no gather
+  const auto positions = context_lens.unsqueeze(1) + torch::arange(width, context_lens.options());
+  return rope.index_select(0, positions.reshape(-1));
+}
 
-void check(const torch::Tensor& t, const char* name, int64_t dims) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be a float32 CPU tensor");
-  TORCH_CHECK(t.dim() == dims, name, " must have ", dims, " dimensions, got ", t.dim());
-  TORCH_CHECK(t.stride(-1) == 1, name, "'s last dimension must be contiguous");
+// The table's rows of committed tokens at `positions` [b, n], or at start, start + 1, ... in every row: [b, n, 2, D].
+torch::Tensor context_rope(const torch::Tensor& rope, const c10::optional<torch::Tensor>& positions, int64_t start,
+                           int64_t batch, int64_t n) {
+  if (positions.has_value()) return rope.index_select(0, positions->reshape(-1)).view({batch, n, 2, rope.size(2)});
+  return rope.narrow(0, start, n).unsqueeze(0).expand({batch, n, 2, rope.size(2)});
 }
 
 }  // namespace
 
-// q [R, Hq, D], k_blk / v_blk [R, Hkv, D] (R = b * B; any strides but the last), ctx_k / ctx_v
-// [b, Hkv, S, D], ctx_lens int64 [b]; sliding_window <= 0 for none. Optional prologue: q_norm, k_norm
-// [D] and cos / sin [R, D] (all or none). -> [R, Hq * D], contiguous.
-torch::Tensor draft_block_attention(torch::Tensor q, torch::Tensor k_blk, torch::Tensor v_blk, torch::Tensor ctx_k,
-                                    torch::Tensor ctx_v, torch::Tensor ctx_lens, double scale, int64_t sliding_window,
-                                    c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
-                                    c10::optional<torch::Tensor> cos, c10::optional<torch::Tensor> sin, double eps) {
-  check(q, "q", 3);
-  check(k_blk, "k_blk", 3);
-  check(v_blk, "v_blk", 3);
-  check(ctx_k, "ctx_k", 4);
-  check(ctx_v, "ctx_v", 4);
-  TORCH_CHECK(ctx_lens.scalar_type() == torch::kInt64 && ctx_lens.dim() == 1, "ctx_lens must be int64 [b]");
-  const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2);
-  const int64_t batch = ctx_k.size(0), hkv = ctx_k.size(1), capacity = ctx_k.size(2);
-  TORCH_CHECK(batch > 0 && rows % batch == 0, "q's rows must be a multiple of the batch");
-  TORCH_CHECK(hq % hkv == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(k_blk.size(0) == rows && k_blk.size(1) == hkv && k_blk.size(2) == d, "k_blk does not match q / ctx_k");
-  TORCH_CHECK(v_blk.sizes() == k_blk.sizes() && ctx_v.sizes() == ctx_k.sizes() && ctx_k.size(3) == d,
-              "v_blk / ctx_v do not match k_blk / ctx_k");
-  TORCH_CHECK(ctx_lens.size(0) == batch, "ctx_lens must have one entry per request");
-  TORCH_CHECK(d % kLanes == 0, "head_dim must be a multiple of ", kLanes, ", got ", d);
-  const bool normed = q_norm.has_value();
-  TORCH_CHECK(normed == k_norm.has_value() && normed == cos.has_value() && normed == sin.has_value(),
-              "give q_norm, k_norm, cos and sin together, or none of them");
-  if (normed) {
-    for (const auto* t : {&*q_norm, &*k_norm})
-      TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->numel() == d && t->is_contiguous(),
-                  "norm weights must be float32 [D]");
-    check(*cos, "cos", 2);
-    check(*sin, "sin", 2);
-    TORCH_CHECK(cos->size(0) == rows && cos->size(1) == d && sin->sizes() == cos->sizes(), "cos / sin must be [R, D]");
+// A drafter step of the lean path (models/drafter.py `compiled_layers`, then the draft logits and greedy drafts) in
+// one call, over weights held from construction: the committed tokens' context K/V written to the arena, the block
+// through every layer, the LM head on slots 1..B-1. The same kernels in the same order as the per-call path, so the
+// same numbers. Every GEMM is `dot_linear`'s: the module must have it (`dot_available`).
+class DraftStep {
+ public:
+  // fc, first_qkv (the first layer's q, then every layer's k, then v), per layer qkv / o_proj / gate_up / down, and
+  // the LM head; norm weights float32 (hidden-size ones with at least H entries), context_k_norm [L, D].
+  DraftStep(PackedLinear fc, PackedLinear first_qkv, std::vector<PackedLinear> qkv, std::vector<PackedLinear> o_proj,
+            std::vector<PackedLinear> gate_up, std::vector<PackedLinear> down, PackedLinear head,
+            torch::Tensor hidden_norm, torch::Tensor context_k_norm, std::vector<torch::Tensor> input_norm,
+            std::vector<torch::Tensor> post_attention_norm, std::vector<torch::Tensor> q_norm,
+            std::vector<torch::Tensor> k_norm, torch::Tensor final_norm, int64_t query_heads, int64_t kv_heads,
+            int64_t head_dim, double eps, double scale, int64_t sliding_window)
+      : fc_(std::move(fc)), first_qkv_(std::move(first_qkv)), qkv_(std::move(qkv)), o_proj_(std::move(o_proj)),
+        gate_up_(std::move(gate_up)), down_(std::move(down)), head_(std::move(head)),
+        hidden_norm_(std::move(hidden_norm)), context_k_norm_(std::move(context_k_norm)),
+        input_norm_(std::move(input_norm)), post_attention_norm_(std::move(post_attention_norm)),
+        q_norm_(std::move(q_norm)), k_norm_(std::move(k_norm)), final_norm_(std::move(final_norm)), hq_(query_heads),
+        hkv_(kv_heads), d_(head_dim), eps_(eps), scale_(scale), window_(sliding_window) {
+    TORCH_CHECK(dot_available(), "this build has no AVX512-BF16 GEMM (the CPU lacks avx512_bf16)");
+    const size_t layers = qkv_.size();
+    TORCH_CHECK(layers > 0 && o_proj_.size() == layers && gate_up_.size() == layers && down_.size() == layers &&
+                    input_norm_.size() == layers && post_attention_norm_.size() == layers &&
+                    q_norm_.size() == layers && k_norm_.size() == layers,
+                "every per-layer list must have one entry per layer");
   }
-  const int64_t block = rows / batch, group = hq / hkv;
-  auto out = torch::empty({rows, hq * d}, q.options());
-  const auto lens = ctx_lens.contiguous();
-  const int64_t* len = lens.data_ptr<int64_t>();
-  const float *qp = q.data_ptr<float>(), *kp = k_blk.data_ptr<float>(), *vp = v_blk.data_ptr<float>();
-  const float *ckp = ctx_k.data_ptr<float>(), *cvp = ctx_v.data_ptr<float>();
-  const float* qw = normed ? q_norm->data_ptr<float>() : nullptr;
-  const float* kw = normed ? k_norm->data_ptr<float>() : nullptr;
-  const float* cp = normed ? cos->data_ptr<float>() : nullptr;
-  const float* sp = normed ? sin->data_ptr<float>() : nullptr;
-  const int64_t cs = normed ? cos->stride(0) : 0, ss = normed ? sin->stride(0) : 0;
-  float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale), feps = static_cast<float>(eps);
 
-  // Per request and KV head, the tile is the group's rows = (query head, slot) pairs, padded to whole vectors
-  // and held transposed ([D][rows]: a key's scores for every row are a few vector FMAs per dimension); the
-  // scores [keys][rows] likewise.
-  const int64_t tile = group * block, width = (tile + kLanes - 1) / kLanes * kLanes;
-  std::vector<float> keys(block * d), scratch(d), query(d), queries_t(d * width, 0.f), scores((capacity + block) * width),
-      total(width), out_t(d * width), zeros(d, 0.f);
-  for (int64_t i = 0; i < batch; ++i) {
-    const int64_t n = len[i];
-    TORCH_CHECK(n >= 0 && n <= capacity, "ctx_lens[", i, "] = ", n, " lies outside [0, ", capacity, "]");
-    // slot j at position n + j sees context p > n + j - W (slot 0 the fewest), and every block key
-    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, n - sliding_window + 1) : 0;
-    const int64_t context = n - first, seen = context + block;  // keys: context [first, n), then the block's
-    for (int64_t g = 0; g < hkv; ++g) {
-      const float* ck = ckp + i * ctx_k.stride(0) + g * ctx_k.stride(1) + first * ctx_k.stride(2);
-      const float* cv = cvp + i * ctx_v.stride(0) + g * ctx_v.stride(1) + first * ctx_v.stride(2);
-      for (int64_t j = 0; j < block; ++j) {  // the block's keys, normed and rotated once for the group
-        const int64_t r = i * block + j;
-        prologue(kp + r * k_blk.stride(0) + g * k_blk.stride(1), d, kw, cp + r * cs, sp + r * ss, feps,
-                 scratch.data(), keys.data() + j * d);
-        for (int64_t h = 0; h < group; ++h) {
-          prologue(qp + r * q.stride(0) + (g * group + h) * q.stride(1), d, qw, cp + r * cs, sp + r * ss, feps,
-                   scratch.data(), query.data());
-          for (int64_t e = 0; e < d; ++e) queries_t[e * width + h * block + j] = query[e] * fscale;
-        }
-      }
-      // scores, eight keys at a time: eight independent FMA chains (one would wait on its own latency)
-      for (int64_t p0 = 0; p0 < seen; p0 += kKeys) {
-        const float* key[kKeys];
-        for (int64_t u = 0; u < kKeys; ++u) {
-          const int64_t p = p0 + u;
-          key[u] = p >= seen ? zeros.data() : p < context ? ck + p * ctx_k.stride(2) : keys.data() + (p - context) * d;
-        }
-        for (int64_t t = 0; t < width; t += kLanes) {
-          f16v s[kKeys] = {};
-          for (int64_t e = 0; e < d; ++e) {
-            const f16v qe = load(queries_t.data() + e * width + t);
-            for (int64_t u = 0; u < kKeys; ++u) s[u] += qe * key[u][e];
-          }
-          for (int64_t u = 0; u < kKeys && p0 + u < seen; ++u) store(scores.data() + (p0 + u) * width + t, s[u]);
-        }
-      }
-      if (sliding_window > 0) {  // slot j sees context from max(0, n + j - W + 1): later slots lose a few more
-        for (int64_t j = 1; j < block; ++j)
-          for (int64_t p = first; p < std::min(n, std::max<int64_t>(0, n + j - sliding_window + 1)); ++p)
-            for (int64_t h = 0; h < group; ++h)
-              scores[(p - first) * width + h * block + j] = -std::numeric_limits<float>::infinity();
-      }
-      for (int64_t t = 0; t < width; t += kLanes) {
-        f16v most = splat(-std::numeric_limits<float>::infinity());
-        for (int64_t p = 0; p < seen; ++p) {
-          const f16v x = load(scores.data() + p * width + t);
-          most = x > most ? x : most;
-        }
-        f16v sum{};
-        for (int64_t p = 0; p < seen; ++p) {
-          const f16v w = vexp(load(scores.data() + p * width + t) - most);
-          store(scores.data() + p * width + t, w);
-          sum += w;
-        }
-        store(total.data() + t, sum);
-      }
-      // out^T [D][rows] += v_p^T * weights_p: each key updates D independent accumulators (in L1)
-      std::fill(out_t.begin(), out_t.end(), 0.f);
-      for (int64_t p = 0; p < seen; ++p) {
-        const float* value = p < context ? cv + p * ctx_v.stride(2)
-                                         : vp + (i * block + p - context) * v_blk.stride(0) + g * v_blk.stride(1);
-        for (int64_t t = 0; t < width; t += kLanes) {
-          const f16v w = load(scores.data() + p * width + t);
-          for (int64_t e = 0; e < d; ++e) store(out_t.data() + e * width + t, load(out_t.data() + e * width + t) + w * value[e]);
-        }
-      }
-      for (int64_t h = 0; h < group; ++h)
-        for (int64_t j = 0; j < block; ++j) {
-          const int64_t t = h * block + j;
-          const float inv = 1.f / total[t];
-          float* o = op + (i * block + j) * hq * d + (g * group + h) * d;
-          for (int64_t e = 0; e < d; ++e) o[e] = out_t[e * width + t] * inv;
-        }
+  // tokens int64 [b, B] (the anchor, then mask ids); embedding float32 [V, H] (the target's); features float32
+  // [b, n, F]: committed tokens' target features (n may be 0), at arena positions `positions` int64 [b, n] or, without
+  // them, start, start + 1, ... in every row; keys / values: the draft arena [L, b, Hkv, S, D]; context_lens int64 [b]
+  // counting the features (slot j of row i sits at position context_lens[i] + j); rope: `Rotary.table` [P, 2, D],
+  // covering every position. -> logits float32 [b, B - 1, V] of slots 1..B-1 and, with `greedy`, their argmax
+  // (int64 [b, B - 1]) and softmax peak (float32 [b, B - 1]).
+  std::vector<torch::Tensor> step(const torch::Tensor& tokens, const torch::Tensor& embedding,
+                                  const torch::Tensor& features, const c10::optional<torch::Tensor>& positions,
+                                  int64_t start, const torch::Tensor& keys, const torch::Tensor& values,
+                                  const torch::Tensor& context_lens, const torch::Tensor& rope, bool greedy) const {
+    TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kInt64 && tokens.size(1) >= 2,
+                "tokens must be int64 [b, B] with B >= 2");
+    TORCH_CHECK(embedding.dim() == 2 && embedding.scalar_type() == torch::kFloat32, "embedding must be float32 [V, H]");
+    TORCH_CHECK(features.dim() == 3 && features.scalar_type() == torch::kFloat32 && features.size(0) == tokens.size(0),
+                "features must be float32 [b, n, F]");
+    TORCH_CHECK(rope.dim() == 3 && rope.size(1) == 2 && rope.size(2) == d_ && rope.scalar_type() == torch::kFloat32,
+                "rope must be the float32 cos/sin table [P, 2, D]");
+    TORCH_CHECK(keys.dim() == 5 && keys.size(0) == static_cast<int64_t>(qkv_.size()), "keys must be [L, b, Hkv, S, D]");
+    const int64_t batch = tokens.size(0), width = tokens.size(1), n = features.size(1), hidden = embedding.size(1);
+    const int64_t layers = qkv_.size(), rows = batch * width;
+    auto x = embedding.index_select(0, tokens.reshape(-1));  // [R, H]
+    const auto slot_rope = block_rope(rope, context_lens, width);
+    const auto cos = slot_rope.select(1, 0), sin = slot_rope.select(1, 1);
+    auto h = rms_norm(x, input_norm_[0], eps_);
+    torch::Tensor qkv;  // this layer's projection [b, B, heads, D]: q heads first, its k heads at k_at, v at v_at
+    int64_t k_at = hq_, v_at = hq_ + hkv_;
+    if (n > 0) {  // the first layer's GEMM projects the context rows' K/V of every layer too (`first_layer_with_context`)
+      const auto context = rms_norm(gemm(fc_, features), hidden_norm_, eps_);
+      const auto out = gemm(first_qkv_, torch::cat({context, h.view({batch, width, hidden})}, 1))
+                           .view({batch, n + width, -1, d_});
+      const int64_t stacked = layers * hkv_;
+      const auto committed = out.narrow(1, 0, n);
+      const auto committed_rope = context_rope(rope, positions, start, batch, n);
+      write_context_kv(committed.narrow(2, hq_, stacked), committed.narrow(2, hq_ + stacked, stacked), context_k_norm_,
+                       committed_rope.select(2, 0), committed_rope.select(2, 1), keys, values, positions, start, eps_);
+      qkv = out.narrow(1, n, width);
+      v_at = hq_ + stacked;
+    } else {
+      qkv = gemm(qkv_[0], h).view({batch, width, -1, d_});
     }
-  }
-  return out;
-}
-
-namespace {
-
-template <typename T>
-const T* rows_of(const torch::Tensor& t, int64_t width, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.size(-1) == width, name, " must be a contiguous CPU tensor [..., ",
-              width, "]");
-  return t.data_ptr<T>();
-}
-
-template <typename T>
-void add_rms_norm_rows(const float* x, const T* delta, const float* w, float eps, int64_t rows, int64_t width,
-                       float* sum, float* normed) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * width;
-    const T* dr = delta + r * width;
-    float* sr = sum + r * width;
-    float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-    for (int64_t e = 0; e < width; ++e) {
-      sr[e] = xr[e] + static_cast<float>(dr[e]);
-      squares += sr[e] * sr[e];
-    }
-    const float inv = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
-    float* nr = normed + r * width;
-#pragma omp simd
-    for (int64_t e = 0; e < width; ++e) nr[e] = sr[e] * inv * w[e];
-  }
-}
-
-template <typename T>
-void silu_mul_rows(const T* gate_up, int64_t rows, int64_t half, T* out) {
-  float gate[kLanes], up[kLanes], result[kLanes];
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* g = gate_up + r * 2 * half;
-    T* o = out + r * half;
-    for (int64_t e = 0; e < half; e += kLanes) {
-      const int64_t lanes = std::min(kLanes, half - e);
-      if constexpr (std::is_same_v<T, float>) {
-        if (lanes == kLanes) {  // whole float32 vectors straight from and to memory: 6x fewer instructions
-          const f16v x = load(g + e);
-          store(o + e, x / (1.f + vexp(-x)) * load(g + half + e));
-          continue;
-        }
+    for (int64_t i = 0; i < layers; ++i) {
+      if (i > 0) {
+        qkv = gemm(qkv_[i], h).view({batch, width, -1, d_});
+        v_at = hq_ + hkv_;
       }
-      for (int64_t l = 0; l < kLanes; ++l) {
-        gate[l] = l < lanes ? static_cast<float>(g[e + l]) : 0.f;
-        up[l] = l < lanes ? static_cast<float>(g[half + e + l]) : 0.f;
-      }
-      const f16v x = load(gate);
-      store(result, x / (1.f + vexp(-x)) * load(up));
-      for (int64_t l = 0; l < lanes; ++l) o[e + l] = static_cast<T>(result[l]);
+      const auto attended = draft_block_attention(
+          qkv.narrow(2, 0, hq_).reshape({rows, hq_, d_}), qkv.narrow(2, k_at, hkv_).reshape({rows, hkv_, d_}),
+          qkv.narrow(2, v_at, hkv_).reshape({rows, hkv_, d_}), keys.select(0, i), values.select(0, i), context_lens,
+          scale_, window_, q_norm_[i], k_norm_[i], cos, sin, eps_);
+      const auto mid = add_rms_norm(x, gemm(o_proj_[i], attended), post_attention_norm_[i], eps_);
+      const auto next = add_rms_norm(mid[0], gemm(down_[i], silu_mul(gemm(gate_up_[i], mid[1]))),
+                                     i + 1 < layers ? input_norm_[i + 1] : final_norm_, eps_);
+      x = next[0];
+      h = next[1];
     }
+    auto logits = gemm(head_, h.view({batch, width, hidden}).narrow(1, 1, width - 1));
+    if (!greedy) return {logits};
+    auto drafts = greedy_peak(logits);
+    return {logits, drafts[0], drafts[1]};
   }
-}
 
-}  // namespace
-
-// The residual add and the next RMSNorm in one pass: x float32 [..., H], delta float32 or bf16 [..., H]
-// (a GEMM's output), weight: the norm's [H] (or more: the first H entries are read). -> (x + delta, RMSNorm
-// of it times the weight), both float32.
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be float32");
-  const int64_t width = x.size(-1), rows = x.numel() / std::max<int64_t>(width, 1);
-  TORCH_CHECK(delta.sizes() == x.sizes(), "delta must have x's shape");
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() && weight.numel() >= width,
-              "weight must be float32 with at least H entries");
-  auto sum = torch::empty_like(x), normed = torch::empty_like(x);
-  const float* xp = rows_of<float>(x, width, "x");
-  const float* wp = weight.data_ptr<float>();
-  const float feps = static_cast<float>(eps);
-  if (delta.scalar_type() == torch::kFloat32) {
-    add_rms_norm_rows(xp, rows_of<float>(delta, width, "delta"), wp, feps, rows, width, sum.data_ptr<float>(),
-                      normed.data_ptr<float>());
-  } else {
-    TORCH_CHECK(delta.scalar_type() == torch::kBFloat16, "delta must be float32 or bfloat16");
-    add_rms_norm_rows(xp, rows_of<c10::BFloat16>(delta, width, "delta"), wp, feps, rows, width, sum.data_ptr<float>(),
-                      normed.data_ptr<float>());
-  }
-  return {sum, normed};
-}
-
-// SwiGLU's gate: gate_up [..., 2I] (float32 or bf16; gate, then up) -> silu(gate) * up [..., I], same dtype
-// (computed in float32, rounded once).
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  const int64_t width = gate_up.size(-1), half = width / 2, rows = gate_up.numel() / std::max<int64_t>(width, 1);
-  TORCH_CHECK(width % 2 == 0, "gate_up's last dimension must be even");
-  auto sizes = gate_up.sizes().vec();
-  sizes.back() = half;
-  auto out = torch::empty(sizes, gate_up.options());
-  if (gate_up.scalar_type() == torch::kFloat32) {
-    silu_mul_rows(rows_of<float>(gate_up, width, "gate_up"), rows, half, out.data_ptr<float>());
-  } else {
-    TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16, "gate_up must be float32 or bfloat16");
-    silu_mul_rows(rows_of<c10::BFloat16>(gate_up, width, "gate_up"), rows, half, out.data_ptr<c10::BFloat16>());
-  }
-  return out;
-}
-
-// RMSNorm of x [..., H] (float32, contiguous) times weight (at least H entries; the first H are read).
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32, "x and weight must be float32");
-  const int64_t width = x.size(-1), rows = x.numel() / std::max<int64_t>(width, 1);
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() >= width, "weight must have at least H entries");
-  auto out = torch::empty_like(x);
-  const float *xp = rows_of<float>(x, width, "x"), *wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = xp + r * width;
-    float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-    for (int64_t e = 0; e < width; ++e) squares += xr[e] * xr[e];
-    const float inv = 1.f / std::sqrt(squares / static_cast<float>(width) + static_cast<float>(eps));
-#pragma omp simd
-    for (int64_t e = 0; e < width; ++e) op[r * width + e] = xr[e] * inv * wp[e];
-  }
-  return out;
-}
-
-// Committed tokens' context K/V into the arena, every layer at once: keys_raw / values_raw [b, n, L * Hkv, D]
-// (the context projection's output, layer-major heads; any strides but the last), k_norm [L, D] (each layer's
-// k_norm weight), cos / sin [b, n, D]; keys / values: the arena [L, b, Hkv, S, D] (contiguous). Each key head
-// gets its layer's RMSNorm and the rotation, as `write_context` applies them. Token t of row i goes to
-// position positions[i, t] or, without positions, start + t.
-void write_context_kv(torch::Tensor keys_raw, torch::Tensor values_raw, torch::Tensor k_norm, torch::Tensor cos,
-                      torch::Tensor sin, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> positions,
-                      int64_t start, double eps) {
-  check(keys_raw, "keys_raw", 4);
-  check(values_raw, "values_raw", 4);
-  check(cos, "cos", 3);
-  check(sin, "sin", 3);
-  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.dim() == 5 && keys.sizes() == values.sizes() &&
-                  keys.scalar_type() == torch::kFloat32 && values.scalar_type() == torch::kFloat32,
-              "the arena must be float32 [L, b, Hkv, S, D], contiguous");
-  const int64_t layers = keys.size(0), batch = keys.size(1), hkv = keys.size(2), capacity = keys.size(3), d = keys.size(4);
-  const int64_t n = keys_raw.size(1);
-  TORCH_CHECK(keys_raw.size(0) == batch && keys_raw.size(2) == layers * hkv && keys_raw.size(3) == d &&
-                  values_raw.sizes() == keys_raw.sizes(), "keys_raw / values_raw must be [b, n, L * Hkv, D]");
-  TORCH_CHECK(cos.size(0) == batch && cos.size(1) == n && cos.size(2) == d && sin.sizes() == cos.sizes(),
-              "cos / sin must be [b, n, D]");
-  TORCH_CHECK(k_norm.scalar_type() == torch::kFloat32 && k_norm.is_contiguous() && k_norm.numel() == layers * d,
-              "k_norm must be float32 [L, D]");
-  torch::Tensor where;
-  if (positions.has_value()) {
-    where = positions->contiguous();
-    TORCH_CHECK(where.scalar_type() == torch::kInt64 && where.dim() == 2 && where.size(0) == batch && where.size(1) == n,
-                "positions must be int64 [b, n]");
-  }
-  const int64_t* pos = positions.has_value() ? where.data_ptr<int64_t>() : nullptr;
-  const float *kr = keys_raw.data_ptr<float>(), *vr = values_raw.data_ptr<float>(), *wn = k_norm.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
-  std::vector<float> scratch(d);
-  for (int64_t i = 0; i < batch; ++i)
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t p = pos ? pos[i * n + t] : start + t;
-      TORCH_CHECK(p >= 0 && p < capacity, "position ", p, " lies outside the arena [0, ", capacity, ")");
-      const float* c = cp + i * cos.stride(0) + t * cos.stride(1);
-      const float* s = sp + i * sin.stride(0) + t * sin.stride(1);
-      for (int64_t l = 0; l < layers; ++l)
-        for (int64_t h = 0; h < hkv; ++h) {
-          const int64_t head = l * hkv + h, slot = (((l * batch + i) * hkv + h) * capacity + p) * d;
-          prologue(kr + i * keys_raw.stride(0) + t * keys_raw.stride(1) + head * keys_raw.stride(2), d, wn + l * d, c, s,
-                   static_cast<float>(eps), scratch.data(), kp + slot);
-          const float* v = vr + i * values_raw.stride(0) + t * values_raw.stride(1) + head * values_raw.stride(2);
-          std::copy(v, v + d, vp + slot);
-        }
-    }
-}
-
-// Greedy drafts and their confidence in one pass over logits [..., V] (float32, contiguous): per row the first
-// index of the maximum (argmax's answer) and the softmax's peak, 1 / sum(e^(l - max)).
-std::vector<torch::Tensor> greedy_peak(torch::Tensor logits) {
-  TORCH_CHECK(logits.scalar_type() == torch::kFloat32, "logits must be float32");
-  const int64_t vocab = logits.size(-1), rows = logits.numel() / std::max<int64_t>(vocab, 1);
-  const float* lp = rows_of<float>(logits, vocab, "logits");
-  auto sizes = logits.sizes().vec();
-  sizes.pop_back();
-  auto tokens = torch::empty(sizes, logits.options().dtype(torch::kInt64));
-  auto peak = torch::empty(sizes, logits.options());
-  int64_t* tp = tokens.data_ptr<int64_t>();
-  float* pp = peak.data_ptr<float>();
-  const int64_t whole = vocab / kLanes * kLanes;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = lp + r * vocab;
-    f16v lane_max = splat(-std::numeric_limits<float>::infinity());
-    for (int64_t e = 0; e < whole; e += kLanes) {
-      const f16v x = load(row + e);
-      lane_max = x > lane_max ? x : lane_max;
-    }
-    float most = -std::numeric_limits<float>::infinity();
-    for (int64_t l = 0; l < kLanes; ++l) most = std::max(most, lane_max[l]);
-    for (int64_t e = whole; e < vocab; ++e) most = std::max(most, row[e]);
-    int64_t index = 0;
-    while (index < vocab && !(row[index] == most)) ++index;  // the first maximum (NaNs are skipped)
-    f16v lane_sum{};
-    for (int64_t e = 0; e < whole; e += kLanes) lane_sum += vexp(load(row + e) - most);
-    float total = 0.f;
-    for (int64_t l = 0; l < kLanes; ++l) total += lane_sum[l];
-    for (int64_t e = whole; e < vocab; ++e) total += std::exp(row[e] - most);
-    tp[r] = std::min(index, vocab - 1);
-    pp[r] = 1.f / total;
-  }
-  return {tokens, peak};
-}
+ private:
+  PackedLinear fc_, first_qkv_;
+  std::vector<PackedLinear> qkv_, o_proj_, gate_up_, down_;
+  PackedLinear head_;
+  torch::Tensor hidden_norm_, context_k_norm_;
+  std::vector<torch::Tensor> input_norm_, post_attention_norm_, q_norm_, k_norm_;
+  torch::Tensor final_norm_;
+  int64_t hq_, hkv_, d_;
+  double eps_, scale_;
+  int64_t window_;
+};
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm (float32)");
@@ -391,4 +146,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add and RMSNorm (float32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("draft_block_attention", &draft_block_attention, "draft-block attention on CPU (float32)");
+  m.def("dot_available", &dot_available, "whether this build has the AVX512-BF16 GEMM");
+  m.def("dot_linear", &dot_linear, "x @ W.T + bias through AVX512-BF16 dot products (bf16 inputs, float32 sums)");
+  pybind11::class_<DraftStep>(m, "DraftStep")
+      .def(pybind11::init<PackedLinear, PackedLinear, std::vector<PackedLinear>, std::vector<PackedLinear>,
+                          std::vector<PackedLinear>, std::vector<PackedLinear>, PackedLinear, torch::Tensor, torch::Tensor,
+                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          std::vector<torch::Tensor>, torch::Tensor, int64_t, int64_t, int64_t, double, double, int64_t>())
+      .def("step", &DraftStep::step, "one drafter step: logits of slots 1..B-1 (and greedy drafts with their peak)");
 }

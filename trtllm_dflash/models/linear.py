@@ -30,7 +30,7 @@ float32 inputs, products and sums. Two uses:
   bf16 GEMM is twice fbgemm's rate at 56 rows and more, so a bf16 drafter keeps its LM head packed in
   bf16 and hands fewer rows to fbgemm: 0.15 ms less per drafter step than bf16 at a lone request's 7
   rows there (round 10). The drafter's weights are bf16 at heart, which float16 holds (down to 6e-5).
-Where the CPU has AVX512-BF16 and the compiled kernel builds (plugins/draft_block/dot_gemm.cpp), a bf16 GEMM is
+Where the CPU has AVX512-BF16 and the compiled kernel builds (plugins/draft_block/dot_gemm.h), a bf16 GEMM is
 that kernel's at every row count instead (`CastLinear.dot`): inputs rounded to bf16, `vdpbf16ps` products and float32
 sums at twice the FMA's rate, a few microseconds a call. On the AVX512 AMD EPYC VM it took a drafter GEMM at 8 rows
 from 24-59 us (fbgemm's float16) and 20-38 us (oneDNN's bf16) to 6-20 us, the 7-row LM head from 185 and 102 to

@@ -93,6 +93,10 @@ class DFlashProposer:
         batch, device = len(prompt_lens), prompt_lens.device
         self.plan = self.drafter.plan(self.matmul_dtype)  # the drafter stays as it is for this generate call
         self.cache = self.drafter.new_cache(batch, capacity)
+        # a drafter with the target's own head (`head` None) leaves its logits to the target, whose `lm_head` a
+        # stand-in may wrap (train.step's RecordingProposer): only a head of the proposer's own runs compiled
+        self.whole_step = None if self.head is None else self.drafter.whole_step(
+            self.plan, self.head, self.target.hf.model.embed_tokens.weight, capacity)
         self.context_lens = torch.zeros_like(prompt_lens)
         self.pending = [(features, prompt_lens.clone())]  # chunks (features [b, w, F], valid per row [b]), `pack_ragged`
         self.no_features = features[:, :0]
@@ -149,12 +153,18 @@ class DFlashProposer:
         width = num_drafts + 1
         block = self.block[:, :width]
         block[:, 0] = anchors
-        positions = anchor_positions[:, None] + self.columns[:width] if lone_anchor is None else lone_anchor
-        hidden = self.drafter(self.target.embed(block), positions, self.cache, self.context_lens, self.matmul_dtype,
-                              context=(features, context_positions), plan=self.plan)
-        logits = self.draft_logits(hidden[:, 1:])
-        if params.greedy and self.plan.compiled and serves(logits):  # one pass instead of two or three ops
-            tokens, peak = greedy_peak_cpu(logits)
+        if self.whole_step is not None:  # one compiled call
+            logits, greedy = self.whole_step(block, features, context_positions, self.cache, self.context_lens,
+                                             params.greedy)
+        else:
+            positions = anchor_positions[:, None] + self.columns[:width] if lone_anchor is None else lone_anchor
+            hidden = self.drafter(self.target.embed(block), positions, self.cache, self.context_lens, self.matmul_dtype,
+                                  context=(features, context_positions), plan=self.plan)
+            logits = self.draft_logits(hidden[:, 1:])
+            # one pass instead of two or three ops
+            greedy = greedy_peak_cpu(logits) if params.greedy and self.plan.compiled and serves(logits) else None
+        if greedy is not None:
+            tokens, peak = greedy
             if self.keep_confidence:
                 self.confidence = peak
             return tokens, None

@@ -1,5 +1,5 @@
-// The drafter's GEMMs on CPUs with AVX512-BF16 dot products (plugins/draft_block/cpu.py builds and loads this file;
-// models/linear.py `CastLinear` calls it for a bf16 GEMM).
+// The drafter's GEMMs on CPUs with AVX512-BF16 dot products (part of cpu_kernel.cpp's module; models/linear.py
+// `CastLinear` calls it for a bf16 GEMM, and the whole compiled draft step for each of its GEMMs).
 //
 // Why: a drafter step's GEMMs have 1 to ~16 rows (a block per request), where oneDNN's bf16 call costs ~25 us more
 // than its arithmetic and fbgemm's float16 one multiplies at float32's rate. `vdpbf16ps` multiplies bf16 pairs
@@ -11,6 +11,8 @@
 // group of 16 output columns, its pairs of input rows one after another, so a tile streams each group's weights
 // contiguously and one 64-byte load holds 16 columns x 2 inputs, the operand `vdpbf16ps` takes.
 
+#pragma once
+
 #include <torch/extension.h>
 
 #include <immintrin.h>
@@ -19,7 +21,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace {
+namespace dflash_dot {
 
 constexpr int64_t kGroup = 16;  // output columns per packed group (one vector of float32 sums)
 
@@ -97,14 +99,16 @@ void block_rows(int64_t rows, const uint32_t* x, int64_t pairs, const uint32_t* 
 constexpr bool kBuilt = false;
 #endif
 
-}  // namespace
+}  // namespace dflash_dot
 
 // Whether this build has the kernel (a CPU with AVX512-BF16, built with -march=native); `dot_linear` raises where not.
-bool available() { return kBuilt; }
+inline bool dot_available() { return dflash_dot::kBuilt; }
 
 // x float32 [..., in] (contiguous) times the packed bf16 weight [out / 16, in / 2, 16, 2] plus bias float32 [out] or
 // None -> float32 [..., out]; in a multiple of 32. Column groups split over torch's intra-op threads.
-torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+inline torch::Tensor dot_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                                const c10::optional<torch::Tensor>& bias) {
+  using namespace dflash_dot;
   TORCH_CHECK(kBuilt, "this build has no AVX512-BF16 GEMM (the CPU lacks avx512_bf16)");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be a contiguous float32 CPU tensor");
@@ -139,9 +143,4 @@ torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   });
 #endif
   return y;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available, "whether this build has the AVX512-BF16 GEMM");
-  m.def("dot_linear", &dot_linear, "x @ W.T + bias through AVX512-BF16 dot products (bf16 inputs, float32 sums)");
 }
