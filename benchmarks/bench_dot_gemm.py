@@ -1,5 +1,7 @@
-"""The drafter's GEMMs at its step's row counts: the compiled AVX512-BF16 GEMM (`plugins/draft_block/dot_gemm.h`)
-beside fbgemm's float16-weight GEMM and oneDNN's prepacked bf16 one, interleaved per repeat, with the FLOP rate.
+"""The drafter's GEMMs at its step's row counts: the compiled AVX512 GEMMs (`plugins/draft_block/dot_gemm.h`: bf16
+"dot", and int8 "dot-int8" where the CPU has AVX512-VNNI) beside fbgemm's float16-weight GEMM and oneDNN's prepacked
+bf16 one, interleaved per repeat, with the FLOP rate. The ratio column compares bf16 "dot" with the best of the
+others (int8 excluded: it changes the numbers more).
 
     python benchmarks/bench_dot_gemm.py [--rows 1,8,11,56] [--repeats 5] [--calls 2000] [--threads 1]
 
@@ -49,7 +51,10 @@ def main() -> None:
             gen = torch.Generator().manual_seed(0)
             weight, bias = torch.randn(out, inputs, generator=gen) * 0.05, torch.randn(out, generator=gen)
             x = torch.randn(rows, inputs, generator=gen)
-            variants = {"dot": (lambda p=cpu.dot_pack(weight): cpu.dot_linear_cpu(x, p, bias))}
+            variants = {"dot": (lambda p=cpu.dot_pack(weight)[0]: cpu.dot_linear_cpu(x, p, bias))}
+            if cpu.dot_kernel(torch.int8) is not None:
+                packed8, scales8 = cpu.dot_pack(weight, torch.int8)
+                variants["dot-int8"] = lambda: cpu.dot_linear_cpu(x, packed8, bias, scales8)
             if fbgemm_fp16():
                 packed16 = torch.ops.quantized.linear_prepack_fp16(weight, bias)
                 variants["fbgemm-fp16"] = lambda: torch.ops.quantized.linear_dynamic_fp16(x, packed16)
@@ -66,7 +71,7 @@ def main() -> None:
             medians = {v: statistics.median(t) for v, t in times.items()}
             cells = [f"{v} {medians[v]:6.1f} ({min(t):.1f}..{max(t):.1f}) {flops / medians[v] / 1e3:5.0f} GF"
                      for v, t in times.items()]
-            others = [m for v, m in medians.items() if v != "dot"]
+            others = [m for v, m in medians.items() if not v.startswith("dot")]
             ratio = f" | dot/best other {medians['dot'] / min(others):.2f}" if others else ""
             print(f"rows {rows:3d} {name:<14} {out:4d}x{inputs:<4d} " + " | ".join(cells) + ratio)
 

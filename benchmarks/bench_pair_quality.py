@@ -2,7 +2,7 @@
 
     python benchmarks/bench_pair_quality.py [--target DIR] [--drafter [LABEL=]DIR ...] [--threads 1]
                                             [--max-tokens 128] [--json FILE]
-                                            [--drafter-gemm-dtype float32|auto|bfloat16|float16]
+                                            [--drafter-gemm-dtype float32|auto|bfloat16|float16|int8]
 
 Greedy decoding with the reference runtime, DFlash alone, on four prompt sets:
 - `heldout-16`, `heldout-64`: the embedded pair's held-out prompts (stdlib files never trained on);
@@ -109,7 +109,8 @@ def main() -> None:
     target_dir = args.target or target_dir
     drafters = [d.split("=", 1) if "=" in d else (d, d) for d in args.drafter] or [("shipped", str(drafter_dir))]
     target = GptOssTarget(load_hf_gpt_oss(target_dir, "cpu", torch.float32))
-    sets = prompt_sets(load_tokenizer(target_dir), args.heldout, args.third_party, args.long)
+    sets = {name: prompts for name, prompts in  # a set asked with 0 prompts is left out
+            prompt_sets(load_tokenizer(target_dir), args.heldout, args.third_party, args.long).items() if prompts}
     params = SamplingParams(max_tokens=args.max_tokens)
     baseline = ReferenceRuntime(target, None)
     reference = {name: [r.output_token_ids for r in baseline.generate(p, params, 1)] for name, p in sets.items()}
@@ -128,7 +129,8 @@ def main() -> None:
             results = runtime.generate(sets["heldout-16"], params, batch)
             row[f"lossless-batch-{batch}"] = sum(r.output_token_ids == ref
                                                  for r, ref in zip(results, reference["heldout-16"]))
-        row["by-context"] = by_context(row["heldout-64"]["blocks"] + row["long"]["blocks"])
+        row["by-context"] = by_context([block for name in ("heldout-64", "long") if name in sets
+                                        for block in row[name]["blocks"]])
         report[label] = row
         print(f"\n{label} ({directory})")
         for name in sets:

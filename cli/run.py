@@ -344,12 +344,13 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
                    "fixed].")
 @click.option("--drafter-gemm-dtype", "drafter_gemm", type=click.Choice(DRAFTER_GEMM_DTYPES),
               help="dtype of the drafter step's GEMMs (weights and inputs; norms, attention and the residual stream "
-                   "keep --dtype; on CPU float16 is fbgemm's GEMM on float16 weights with float32 inputs), for GEMMs "
-                   "of at least 2^20 weights (a 4096 x 256 LM head; smaller ones are bound by the call, not the "
-                   "bytes, and keep --dtype) and, for bfloat16 on CPU, calls of 16 rows or more. Drafts need not be "
-                   "exact: the target verifies them. auto, for a float32 drafter: bfloat16 where bf16 GEMMs are "
-                   "native (CUDA, or a CPU with AVX512-BF16 through oneDNN), else float16 where fbgemm runs (x86 "
-                   "CPUs), else --dtype [default: auto; reference backend, dflash and dflash-sa only].")
+                   "keep --dtype). On a CPU with AVX512-VNNI / AVX512-BF16 int8 / bfloat16 are our compiled GEMM at "
+                   "every size (int8: inputs per row and weights per column quantized symmetrically, int32 sums; "
+                   "CPU only); elsewhere a narrower dtype serves only the GEMMs where it pays (README); float16 on CPU is fbgemm's GEMM on float16 weights with float32 inputs. Drafts need "
+                   "not be exact: the target verifies them. auto, for a float32 drafter: int8 where the AVX512-VNNI "
+                   "GEMM runs, else bfloat16 where bf16 GEMMs are native (CUDA, a CPU with AVX512-BF16), else "
+                   "float16 where fbgemm runs (x86 CPUs), else --dtype [default: auto; reference backend, dflash and "
+                   "dflash-sa only].")
 @click.option("--expert-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               help="How the reference runtime's MoE reads the target's experts: as --dtype, or (CPU, float32 experts "
                    "that bf16 holds exactly, as MXFP4 checkpoints' are) from bf16 copies cast back per GEMM (the same "

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from cpu_marks import needs_fbgemm
 from run_cli import invoke, json_lines
 from trtllm_dflash.models.linear import fbgemm_fp16, native_bf16
+from trtllm_dflash.plugins.draft_block.cpu import dot_kernel
 
 
 def test_json_output_and_baseline(tiny_pair, tmp_path):
@@ -101,7 +102,7 @@ def test_spread_wider_than_the_effect_is_a_warning():
                                          (["--draft-length", "sometimes"], "--draft-length"),
                                          (["--drafter-gemm-dtype", "bfloat16", "--draft-method", "ngram"],
                                           "--drafter-gemm-dtype"),
-                                         (["--drafter-gemm-dtype", "int8"], "--drafter-gemm-dtype"),
+                                         (["--drafter-gemm-dtype", "int4"], "--drafter-gemm-dtype"),
                                          (["--sa-threshold", 3, "--draft-method", "ngram"], "--sa-threshold"),
                                          (["--sa-max-drafts", 0], "--sa-max-drafts"),
                                          (["--sa-max-drafts", 2], "--sa-max-drafts"),  # the tiny block drafts 3
@@ -143,7 +144,10 @@ def test_adaptive_draft_length_is_lossless_and_reported(tiny_pair, method):
 @pytest.mark.parametrize("choice,expected", [
     ("float32", "float32"), ("bfloat16", "bfloat16"),
     pytest.param("float16", "float16", marks=needs_fbgemm),
-    ("auto", "bfloat16" if native_bf16(torch.device("cpu")) else "float16" if fbgemm_fp16() else "float32")])
+    pytest.param("int8", "int8", marks=pytest.mark.skipif(dot_kernel(torch.int8) is None,
+                                                          reason="no AVX512-VNNI int8 GEMM here")),
+    ("auto", "int8" if dot_kernel(torch.int8) else "bfloat16" if native_bf16(torch.device("cpu"))
+     else "float16" if fbgemm_fp16() else "float32")])
 def test_drafter_gemm_dtype_is_lossless_and_reported(tiny_pair, choice, expected):
     target, drafter = tiny_pair
     result = invoke("--target", target, "--drafter", drafter, "--prompt", "abcabcabc", "--max-tokens", 12,

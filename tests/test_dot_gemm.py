@@ -1,5 +1,6 @@
-"""The compiled AVX512-BF16 GEMM of the drafter (plugins/draft_block/dot_gemm.h): its sums against a float64
-GEMM of the bf16-rounded operands, its packing, threads, refusals, and `CastLinear`'s use of it for bf16 GEMMs."""
+"""The compiled AVX512 GEMMs of the drafter (plugins/draft_block/dot_gemm.h): the bf16 one's sums against a float64
+GEMM of the bf16-rounded operands, the int8 one's against a float64 GEMM of the quantized operands, their packing,
+threads, refusals, and `CastLinear`'s use of them for bf16 and int8 GEMMs."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from trtllm_dflash.plugins.draft_block import cpu
 
 pytestmark = pytest.mark.skipif(cpu.dot_kernel() is None,
                                 reason=f"no AVX512-BF16 GEMM here ({cpu.unavailable_reason() or 'CPU lacks avx512_bf16'})")
+needs_int8 = pytest.mark.skipif(cpu.dot_kernel(torch.int8) is None, reason="no AVX512-VNNI int8 GEMM here")
 
 
 def bf16_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -33,7 +35,8 @@ def test_dot_linear_sums_the_bf16_products_in_float32(rows, inputs, groups, with
     weight = torch.randn(out, inputs, generator=gen)
     bias = torch.randn(out, generator=gen) if with_bias else None
     x = torch.randn(*lead, rows, inputs, generator=gen)
-    got = cpu.dot_linear_cpu(x, cpu.dot_pack(weight), bias)
+    packed, _ = cpu.dot_pack(weight)
+    got = cpu.dot_linear_cpu(x, packed, bias)
     expected = bf16_reference(x, weight, bias)
     assert got.dtype == torch.float32 and got.shape == expected.shape
     scale = (x.bfloat16().double().abs() @ weight.bfloat16().double().abs().t()).max()  # sum of |products|
@@ -42,36 +45,39 @@ def test_dot_linear_sums_the_bf16_products_in_float32(rows, inputs, groups, with
 
 def test_dot_pack_is_pairs_of_inputs_per_group_of_sixteen_columns():
     weight = torch.arange(32 * 64, dtype=torch.float32).remainder(256).view(32, 64)  # every value exact in bf16
-    packed = cpu.dot_pack(weight)
-    assert packed.shape == (2, 32, 16, 2) and packed.dtype == torch.bfloat16
+    packed, scales = cpu.dot_pack(weight)
+    assert packed.shape == (2, 32, 16, 2) and packed.dtype == torch.bfloat16 and scales is None
     # group g, input pair p, lane c, member j  <->  W[16 g + c, 2 p + j]
     assert packed[1, 5, 3, 1] == weight[16 + 3, 11]
     assert packed[0, 31, 15, 0] == weight[15, 62]
 
 
-def test_threads_change_no_bit():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.int8, marks=needs_int8)])
+def test_threads_change_no_bit(dtype):
     gen = torch.Generator().manual_seed(3)
     weight, x, bias = torch.randn(512, 256, generator=gen), torch.randn(9, 256, generator=gen), torch.randn(512)
-    packed = cpu.dot_pack(weight)
+    packed, scales = cpu.dot_pack(weight, dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu.dot_linear_cpu(x, packed, bias)
+        one = cpu.dot_linear_cpu(x, packed, bias, scales)
         torch.set_num_threads(2)
-        two = cpu.dot_linear_cpu(x, packed, bias)
+        two = cpu.dot_linear_cpu(x, packed, bias, scales)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
 
 
 def test_dot_linear_refuses_what_it_does_not_take():
-    packed = cpu.dot_pack(torch.randn(32, 64))
+    packed, _ = cpu.dot_pack(torch.randn(32, 64))
     with pytest.raises(RuntimeError, match="input width"):
         cpu.dot_linear_cpu(torch.randn(3, 32), packed, None)
     with pytest.raises(RuntimeError, match="bias"):
         cpu.dot_linear_cpu(torch.randn(3, 64), packed, torch.randn(16))
     with pytest.raises(RuntimeError, match="float32"):
         cpu.dot_linear_cpu(torch.randn(3, 64, dtype=torch.float64), packed, None)
+    with pytest.raises(RuntimeError, match="scales"):
+        cpu.dot_linear_cpu(torch.randn(3, 64), packed, None, torch.ones(32))
     assert cpu.dot_serves(torch.empty(32, 64)) and not cpu.dot_serves(torch.empty(24, 64))
     assert not cpu.dot_serves(torch.empty(32, 48))
 
@@ -88,6 +94,79 @@ def test_a_bf16_cast_linear_runs_the_dot_gemm_where_it_serves():
         native = layer.native(x)
         assert native.dtype == torch.float32
         assert torch.equal(native, cpu.dot_linear_cpu(x, layer.weight, layer.bias))
+
         torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=0.03, atol=0.05)
     odd = CastLinear(torch.randn(40, 64, generator=gen), None, torch.bfloat16)
     assert not odd.dot and odd.packed == linear.onednn_packs(torch.bfloat16, torch.device("cpu"))
+
+
+def int8_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The GEMM the int8 kernel promises: each row of x and each output column of W quantized symmetrically to
+    [-127, 127] with its own float32 scale (max |.| / 127; the row's reciprocal scale multiplied in float32, then
+    rounded to nearest even), exact integer products and sums, both scales applied in float64."""
+    def quantized(t: torch.Tensor, reciprocal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        amax = t.abs().amax(dim=-1, keepdim=True)
+        scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)) if reciprocal else (amax / 127).clamp_min(
+            torch.finfo(torch.float32).tiny)
+        q = (t * (1 / scale)).round() if reciprocal else (t / scale).round()
+        return q.clamp(-127, 127).double(), scale.double()
+
+    qx, sx = quantized(x, reciprocal=True)
+    qw, sw = quantized(weight, reciprocal=False)
+    y = (qx @ qw.t()) * sx * sw.t()
+    return y if bias is None else y + bias.double()
+
+
+@needs_int8
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 21), inputs=st.sampled_from([32, 64, 96, 256]), groups=st.integers(1, 19),
+       with_bias=st.booleans(), lead=st.sampled_from([(), (2,)]), zero_row=st.booleans(), seed=st.integers(0, 2**16))
+def test_int8_dot_linear_sums_the_quantized_products_exactly(rows, inputs, groups, with_bias, lead, zero_row, seed):
+    """Every row count and column count a tile splits, a row of zeros (scale 1), the +128 offset taken back out."""
+    gen = torch.Generator().manual_seed(seed)
+    out = groups * cpu.DOT_GROUP
+    weight = torch.randn(out, inputs, generator=gen)
+    bias = torch.randn(out, generator=gen) if with_bias else None
+    x = torch.randn(*lead, rows, inputs, generator=gen) * 3
+    if zero_row:
+        x[..., 0, :] = 0
+    packed, scales = cpu.dot_pack(weight, torch.int8)
+    got = cpu.dot_linear_cpu(x, packed, bias, scales)
+    expected = int8_reference(x, weight, bias)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    assert (got.double() - expected).abs().max() <= 1e-6 * expected.abs().max() + 1e-5
+    # and the quantized GEMM is the float one to within 8-bit rounding of both operands
+    exact = F.linear(x, weight, bias).double()
+    bound = (x.abs().amax(-1, keepdim=True) @ weight.abs().amax(-1, keepdim=True).t()).double() * inputs / 127
+    assert ((got.double() - exact).abs() <= bound + 1e-5).all()
+
+
+@needs_int8
+def test_int8_dot_pack_offsets_each_columns_quantized_weights_by_128():
+    weight = torch.zeros(32, 64)
+    weight[3, 10] = 127.0  # column 3's peak: scale 1
+    weight[3, 11] = -63.5  # -> -64 (nearest even)
+    weight[17, 62] = -0.5  # column 17's peak: -127
+    packed, scales = cpu.dot_pack(weight, torch.int8)
+    assert packed.shape == (2, 16, 16, 4) and packed.dtype == torch.uint8 and scales.shape == (32,)
+    # group g, input word p, lane c, byte j  <->  W[16 g + c, 4 p + j]
+    assert packed[0, 2, 3, 2] == 128 + 127 and packed[0, 2, 3, 3] == 128 - 64
+    assert packed[1, 15, 1, 2] == 128 - 127 and packed[1, 15, 1, 3] == 128
+    torch.testing.assert_close(scales[[3, 17]], torch.tensor([1.0, 0.5 / 127]))
+    assert scales[0] > 0  # an all-zero column divides by a tiny scale, not by zero
+
+
+@needs_int8
+def test_an_int8_cast_linear_runs_the_int8_dot_gemm_and_falls_back_to_bf16_where_it_cannot():
+    gen = torch.Generator().manual_seed(6)
+    weight, bias = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
+    assert linear.gemm_dtype(weight, torch.int8) == torch.int8
+    layer = CastLinear(weight, bias, torch.int8)
+    assert layer.dot and layer.weight.dtype == torch.uint8 and layer.scales is not None
+    x = torch.randn(2, 7, 64, generator=gen)
+    assert torch.equal(layer.native(x), cpu.dot_linear_cpu(x, layer.weight, layer.bias, layer.scales))
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=0.05, atol=0.15)
+    odd = torch.randn(40, 64, generator=gen)  # 40 columns: no packed groups of 16
+    assert linear.gemm_dtype(odd, torch.int8) == linear.gemm_dtype(odd, torch.bfloat16)
+    with pytest.raises(ValueError, match="AVX512-VNNI"):
+        CastLinear(odd, None, torch.int8)

@@ -19,6 +19,7 @@ from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter,
 from trtllm_dflash.models.target import GptOssTarget, lean_rms_norm
 from trtllm_dflash.plugins.draft_block import cpu
 from trtllm_dflash.plugins.draft_block.reference import draft_block_attention_reference
+from trtllm_dflash.runtime.accept import greedy_accept, greedy_accept_logits
 from trtllm_dflash.runtime.proposers import DFlashProposer
 from trtllm_dflash.runtime.sampling import SamplingParams
 
@@ -124,6 +125,32 @@ def test_greedy_peak_is_argmax_and_the_softmax_peak():
     torch.testing.assert_close(peak, torch.softmax(logits, dim=-1).amax(dim=-1), rtol=1e-6, atol=1e-7)
 
 
+@settings(max_examples=60, deadline=None)
+@given(batch=st.integers(1, 5), drafts=st.integers(0, 8), vocab=st.sampled_from([5, 16, 37, 4096]),
+       seed=st.integers(0, 2**16))
+def test_greedy_verify_is_argmax_and_the_accept_rule(batch, drafts, vocab, seed):
+    """Per request: drafts that copy the target's argmax up to a random point (then a miss or the end), ties in the
+    logits (the first index wins, as argmax's) and NaN-free garbage after the first mismatch, which it need not read."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, drafts + 1, vocab, generator=gen).round()  # integers: many ties
+    target = logits.argmax(dim=-1)
+    agree = torch.randint(0, drafts + 1, (batch,), generator=gen)  # leading drafts equal to the target's
+    draft_tokens = torch.where(torch.arange(drafts) < agree[:, None], target[:, :drafts],
+                               (target[:, :drafts] + 1) % vocab)
+    expected = greedy_accept(draft_tokens, target)
+    assert torch.equal(expected[0], agree)
+    got = cpu.greedy_verify_cpu(logits, draft_tokens)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    assert all(torch.equal(g, e) for g, e in zip(greedy_accept_logits(draft_tokens, logits), expected))
+
+
+def test_greedy_verify_refuses_what_it_does_not_take():
+    with pytest.raises(RuntimeError, match="drafts"):
+        cpu.greedy_verify_cpu(torch.randn(2, 4, 16), torch.zeros(2, 2, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu.greedy_verify_cpu(torch.randn(2, 4, 16).double(), torch.zeros(2, 3, dtype=torch.int64))
+
+
 def compiled_and_torch(drafter: DFlashDrafter, run) -> tuple:
     """run(drafter) with the compiled kernels, then with the torch formulation."""
     outs = []
@@ -200,12 +227,15 @@ def test_greedy_drafts_and_their_confidence_match_the_torch_path():
     torch.testing.assert_close(confidence, expected_confidence, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(cpu.dot_kernel() is None, reason="no AVX512-BF16 GEMM here")
-@pytest.mark.parametrize("batch,window,greedy", [(1, None, True), (1, 10, False), (3, None, True), (3, 10, False)])
-def test_the_whole_compiled_step_drafts_what_the_per_call_path_drafts(batch, window, greedy):
-    """A drafter step in one compiled call (`WholeDraftStep`, every GEMM the bf16 dot kernel) from the same state as
-    the per-call compiled path, over steps that commit 1-4 tokens and a window that cuts: the same drafts, confidences
-    and sampling distributions, and the same context K/V in the arena."""
+@pytest.mark.parametrize("batch,window,greedy,dtype", [
+    (1, None, True, torch.bfloat16), (1, 10, False, torch.bfloat16), (3, None, True, torch.bfloat16),
+    (3, 10, False, torch.bfloat16), (1, None, True, torch.int8), (3, 10, False, torch.int8)])
+def test_the_whole_compiled_step_drafts_what_the_per_call_path_drafts(batch, window, greedy, dtype):
+    """A drafter step in one compiled call (`WholeDraftStep`, every GEMM the bf16 or int8 dot kernel) from the same
+    state as the per-call compiled path, over steps that commit 1-4 tokens and a window that cuts: the same drafts,
+    confidences and sampling distributions, and the same context K/V in the arena."""
+    if cpu.dot_kernel(dtype) is None:
+        pytest.skip(f"no {dtype} dot GEMM here")
     config = tiny_target_config(vocab_size=272)  # widths the dot GEMM takes (multiples of 16 out, 32 in)
     target = GptOssTarget(random_target(config, seed=1))
     drafter = random_drafter(dataclasses.replace(drafter_config_for(config, num_layers=2, block_size=4),
@@ -220,7 +250,7 @@ def test_the_whole_compiled_step_drafts_what_the_per_call_path_drafts(batch, win
     accepted = [[0, 3, 1][:batch], [3, 0, 2][:batch], [1, 1, 3][:batch]]
 
     def run(whole: bool):
-        proposer = DFlashProposer(drafter, target, matmul_dtype=torch.bfloat16)
+        proposer = DFlashProposer(drafter, target, matmul_dtype=dtype)
         proposer.keep_confidence = True
         _, features = target(prompts, torch.arange(12).expand(batch, -1), target.new_cache(batch, 60),
                              proposer.feature_layers)

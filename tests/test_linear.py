@@ -24,7 +24,7 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("shape", [(16, 5), (3, 7, 64), (2, 1, 8, 64)])
 def test_cast_linear_is_a_rounded_linear_in_the_input_dtype(shape, with_bias, monkeypatch):
-    monkeypatch.setattr(draft_cpu, "dot_serves", lambda weight: False)  # torch's bf16 GEMMs (tests/test_dot_gemm.py: the kernel's)
+    monkeypatch.setattr(draft_cpu, "dot_serves", lambda weight, dtype=torch.bfloat16: False)  # torch's bf16 GEMMs (tests/test_dot_gemm.py: the kernel's)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(48, shape[-1], generator=gen)
     bias = torch.randn(48, generator=gen) if with_bias else None
@@ -60,7 +60,7 @@ def test_a_packed_narrow_gemm_hands_few_rows_to_a_wider_copy(rows, fbgemm, monke
     if fbgemm and not linear.fbgemm_fp16():
         pytest.skip(NO_FBGEMM)
     monkeypatch.setattr(linear, "onednn_packs", lambda dtype, device: dtype == torch.bfloat16)  # any CPU
-    monkeypatch.setattr(draft_cpu, "dot_serves", lambda weight: False)  # where the compiled bf16 GEMM does not run
+    monkeypatch.setattr(draft_cpu, "dot_serves", lambda weight, dtype=torch.bfloat16: False)  # where the compiled bf16 GEMM does not run
     monkeypatch.setattr(linear, "fbgemm_fp16", lambda: fbgemm)
     weight, bias, x = torch.randn(48, 64), torch.randn(48), torch.randn(1, rows, 64)
     layer = CastLinear(weight, bias, torch.bfloat16)
@@ -144,6 +144,10 @@ def test_fits_half_admits_what_float16_holds_to_float32_accuracy():
 
 
 def test_drafter_gemm_dtype_resolution(monkeypatch):
+    monkeypatch.setattr(draft_cpu, "dot_kernel", lambda dtype=torch.bfloat16: object() if dtype == torch.int8 else None)
+    assert drafter_gemm_dtype("auto", torch.float32, CPU) == torch.int8  # where the int8 dot GEMM runs
+    assert drafter_gemm_dtype("auto", torch.bfloat16, CPU) is None
+    monkeypatch.setattr(draft_cpu, "dot_kernel", lambda dtype=torch.bfloat16: None)
     monkeypatch.setattr(linear, "native_bf16", lambda device: True)
     assert drafter_gemm_dtype("auto", torch.float32, CPU) == torch.bfloat16
     assert drafter_gemm_dtype("auto", torch.bfloat16, CPU) is None  # already bf16: nothing to cast
@@ -158,6 +162,19 @@ def test_drafter_gemm_dtype_resolution(monkeypatch):
     assert drafter_gemm_dtype("float16", torch.float32, CPU) == torch.float16
     monkeypatch.setattr(linear, "fbgemm_fp16", lambda: False)  # e.g. an ARM build
     assert drafter_gemm_dtype("auto", torch.float32, CPU) is None
+
+
+def test_int8_drafter_gemms_are_refused_where_the_vnni_kernel_does_not_run(monkeypatch):
+    from trtllm_dflash.errors import InputError
+
+    with pytest.raises(InputError, match="CUDA"):
+        drafter_gemm_dtype("int8", torch.float32, torch.device("cuda"))
+    monkeypatch.setattr(draft_cpu, "dot_kernel", lambda dtype=torch.bfloat16: None)
+    with pytest.raises(InputError, match="AVX512-VNNI") as refused:
+        drafter_gemm_dtype("int8", torch.float32, CPU)
+    assert refused.value.field == "--drafter-gemm-dtype"
+    monkeypatch.setattr(draft_cpu, "dot_kernel", lambda dtype=torch.bfloat16: object())
+    assert drafter_gemm_dtype("int8", torch.float32, CPU) == torch.int8
 
 
 def target_with_head(half: bool) -> GptOssTarget:
@@ -200,12 +217,14 @@ def test_target_lm_head_keeps_gradients_for_training(half):
 
 def test_the_dot_gemm_is_built_exactly_where_the_cpu_has_avx512_bf16(monkeypatch):
     """The kernels' module (built with -march=native) has the dot GEMM exactly where /proc/cpuinfo lists
-    avx512_bf16; where it has none, a bf16 GEMM keeps oneDNN's path (or F.linear on the copy where oneDNN does not
+    avx512_bf16, and its int8 one where it lists avx512_vnni; where it has none, a bf16 GEMM keeps oneDNN's path (or F.linear on the copy where oneDNN does not
     pack)."""
     module = draft_cpu.cpu_kernel()
     if module is not None:
         assert bool(module.dot_available()) == ("avx512_bf16" in cpu_flags().split())
-    monkeypatch.setattr(draft_cpu.KERNEL, "module", lambda: SimpleNamespace(dot_available=lambda: False))
+        assert bool(module.dot_int8_available()) == ("avx512_vnni" in cpu_flags().split())
+    monkeypatch.setattr(draft_cpu.KERNEL, "module",
+                        lambda: SimpleNamespace(dot_available=lambda: False, dot_int8_available=lambda: False))
     assert draft_cpu.dot_kernel() is None and not draft_cpu.dot_serves(torch.empty(32, 64))
     layer = CastLinear(torch.randn(32, 64), None, torch.bfloat16)
     assert not layer.dot and layer.packed == linear.onednn_packs(torch.bfloat16, CPU)

@@ -5,8 +5,8 @@ drafter's lean path hands each layer's QK-norm + RoPE + block attention, its res
 next RMSNorm and its SiLU-and-multiply to one call each, and so do the context K/V writes and the greedy
 drafts (float32; head_dim a multiple of 16). How the source is built and when it is not: `plugins/compiled.py`;
 where ``cpu_kernel()`` returns None the drafter runs its torch formulation. Their numbers are the torch path's
-to float32 rounding (tests/test_draft_block_cpu.py), not bit for bit: drafts need not be exact. Where the module
-has the bf16 GEMM, `WholeDraftStep` runs a drafter step, GEMMs and LM head included, in one call.
+to float32 rounding (tests/test_draft_block_cpu.py), not bit for bit: drafts need not be exact. Where every GEMM of
+the drafter is the module's bf16 or int8 one, `WholeDraftStep` runs a drafter step, LM head included, in one call.
 """
 
 from __future__ import annotations
@@ -74,6 +74,13 @@ def greedy_peak_cpu(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(cpu_kernel().greedy_peak(logits))
 
 
+def greedy_verify_cpu(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy accept rule on the verify's float32 logits [b, K + 1, V] and drafts int64 [b, K] in one pass that
+    stops at each request's first mismatch -> (num_accepted int64 [b], bonus int64 [b]), `accept.greedy_accept`'s
+    answer on the logits' argmax."""
+    return tuple(cpu_kernel().greedy_verify(logits.contiguous(), drafts.contiguous()))
+
+
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of float32 x [..., H] times weight (at least H entries; the first H are read: a `doubled_weight`
     serves)."""
@@ -94,36 +101,51 @@ def write_context_kv_cpu(keys: torch.Tensor, values: torch.Tensor, k_norm: torch
 
 DOT_GROUP = 16  # output columns per packed group: the output width must be a multiple
 DOT_INPUT_MULTIPLE = 32  # the input width must be a multiple
+DOT_DTYPES = (torch.bfloat16, torch.int8)  # the products the dot GEMM has
 
 
-def dot_kernel():
-    """The compiled module where it has the bf16 GEMM (`dot_gemm.h`: a CPU with AVX512-BF16, the source built), else
-    None. (Built with -march=native, the module has the GEMM exactly where the CPU has the instruction.)"""
+def dot_kernel(dtype: torch.dtype = torch.bfloat16):
+    """The compiled module where it has the GEMM with `dtype` products (`dot_gemm.h`: bf16 on a CPU with
+    AVX512-BF16, int8 on one with AVX512-VNNI; the source built), else None. (Built with -march=native, the module
+    has a GEMM exactly where the CPU has its instruction.)"""
     module = cpu_kernel()
-    return module if module is not None and module.dot_available() else None
+    if module is None or dtype not in DOT_DTYPES:
+        return None
+    return module if (module.dot_available() if dtype == torch.bfloat16 else module.dot_int8_available()) else None
 
 
-def dot_serves(weight: torch.Tensor) -> bool:
-    """Whether `dot_linear_cpu` takes a GEMM over `weight` [out, in]: a CPU tensor, out a multiple of `DOT_GROUP`,
-    in of `DOT_INPUT_MULTIPLE`, the kernel running here."""
+def dot_serves(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether `dot_linear_cpu` takes a GEMM over `weight` [out, in] with `dtype` products: a 2-D CPU tensor, out a
+    multiple of `DOT_GROUP`, in of `DOT_INPUT_MULTIPLE`, the kernel running here."""
+    return (weight.dim() == 2 and weight.device.type == "cpu" and weight.shape[0] % DOT_GROUP == 0
+            and weight.shape[1] % DOT_INPUT_MULTIPLE == 0 and dot_kernel(dtype) is not None)
+
+
+def dot_pack(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """W [out, in] -> (its copy packed as `dot_linear_cpu` reads it, the columns' scales or None), each group of 16
+    output columns' words of inputs one after another (`dot_gemm.h`):
+    - bf16: W rounded to bf16 as [out / 16, in / 2, 16, 2]; no scales;
+    - int8: each output column quantized symmetrically, q = round(W / s) in [-127, 127] with s = max |W| / 127 (float32
+      [out]), stored as q + 128 in uint8 [out / 16, in / 4, 16, 4] (the instruction's unsigned operand)."""
     out, inputs = weight.shape
-    return (weight.device.type == "cpu" and out % DOT_GROUP == 0 and inputs % DOT_INPUT_MULTIPLE == 0
-            and dot_kernel() is not None)
+    weight = weight.detach().float()
+    if dtype == torch.bfloat16:
+        words, scales = weight.to(torch.bfloat16), None
+    else:
+        scales = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        words = ((weight / scales[:, None]).round().clamp(-127, 127) + 128).to(torch.uint8)
+    per_word = 2 if dtype == torch.bfloat16 else 4
+    grouped = words.view(out // DOT_GROUP, DOT_GROUP, inputs // per_word, per_word)
+    return grouped.transpose(1, 2).contiguous(), scales
 
 
-def dot_pack(weight: torch.Tensor) -> torch.Tensor:
-    """W [out, in] -> its bf16 copy packed as `dot_linear_cpu` reads it: [out / 16, in / 2, 16, 2], each group of 16
-    output columns' pairs of inputs one after another (`dot_gemm.h`)."""
-    out, inputs = weight.shape
-    grouped = weight.detach().to(torch.bfloat16).view(out // DOT_GROUP, DOT_GROUP, inputs // 2, 2)
-    return grouped.transpose(1, 2).contiguous()
-
-
-def dot_linear_cpu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x float32 [..., in] @ W.T + bias (float32 [out] or None) from W's `dot_pack` -> float32 [..., out]: x rounded
-    to bf16, float32 products and sums (AVX512-BF16 dot products). Where `dot_serves` said so: a GEMM's hot path,
-    so it asks nothing again."""
-    return KERNEL.module().dot_linear(x.contiguous(), packed, bias)
+def dot_linear_cpu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                   scales: torch.Tensor | None = None) -> torch.Tensor:
+    """x float32 [..., in] @ W.T + bias (float32 [out] or None) from W's `dot_pack` (the packed weight and its scales)
+    -> float32 [..., out]. bf16: x rounded to bf16, float32 products and sums (AVX512-BF16). int8: each row of x
+    quantized like the weight's columns (its own scale, max |x| / 127), int32 products and sums, then both scales
+    (AVX512-VNNI). Where `dot_serves` said so: a GEMM's hot path, so it asks nothing again."""
+    return KERNEL.module().dot_linear(x.contiguous(), packed, bias, scales)
 
 
 class WholeDraftStep:

@@ -1,5 +1,5 @@
 // The drafter's CPU kernels as one extension module (plugins/draft_block/cpu.py builds and loads this file): the draft
-// step's float32 ops between GEMMs (draft_ops.h), the AVX512-BF16 GEMM (dot_gemm.h), and `DraftStep`, a whole
+// step's float32 ops between GEMMs (draft_ops.h), the AVX512 bf16 and int8 GEMMs (dot_gemm.h), and `DraftStep`, a whole
 // drafter step in one call.
 //
 // Why a whole step: with each GEMM and op compiled, a lone request's drafter step still made ~25 calls from Python,
@@ -10,16 +10,17 @@
 #include "dot_gemm.h"
 #include "draft_ops.h"
 
+#include <tuple>
 #include <utility>
 #include <vector>
 
-// A GEMM's weight as `dot_pack` lays it out (cpu.py) and its float32 bias, or None.
-using PackedLinear = std::pair<torch::Tensor, c10::optional<torch::Tensor>>;
+// A GEMM's weight as `dot_pack` lays it out (cpu.py), its float32 bias or None, and an int8 weight's scales or None.
+using PackedLinear = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>;
 
 namespace {
 
 torch::Tensor gemm(const PackedLinear& linear, const torch::Tensor& x) {
-  return dot_linear(x.contiguous(), linear.first, linear.second);
+  return dot_linear(x.contiguous(), std::get<0>(linear), std::get<1>(linear), std::get<2>(linear));
 }
 
 // The cos/sin table's rows [positions, 2, D] of each slot of a block at its request's context length: [b * B, 2, D].
@@ -41,7 +42,7 @@ torch::Tensor context_rope(const torch::Tensor& rope, const c10::optional<torch:
 // A drafter step of the lean path (models/drafter.py `compiled_layers`, then the draft logits and greedy drafts) in
 // one call, over weights held from construction: the committed tokens' context K/V written to the arena, the block
 // through every layer, the LM head on slots 1..B-1. The same kernels in the same order as the per-call path, so the
-// same numbers. Every GEMM is `dot_linear`'s: the module must have it (`dot_available`).
+// same numbers. Every GEMM is `dot_linear`'s, bf16 or int8 (each GEMM's weight says which).
 class DraftStep {
  public:
   // fc, first_qkv (the first layer's q, then every layer's k, then v), per layer qkv / o_proj / gate_up / down, and
@@ -58,7 +59,6 @@ class DraftStep {
         input_norm_(std::move(input_norm)), post_attention_norm_(std::move(post_attention_norm)),
         q_norm_(std::move(q_norm)), k_norm_(std::move(k_norm)), final_norm_(std::move(final_norm)), hq_(query_heads),
         hkv_(kv_heads), d_(head_dim), eps_(eps), scale_(scale), window_(sliding_window) {
-    TORCH_CHECK(dot_available(), "this build has no AVX512-BF16 GEMM (the CPU lacks avx512_bf16)");
     const size_t layers = qkv_.size();
     TORCH_CHECK(layers > 0 && o_proj_.size() == layers && gate_up_.size() == layers && down_.size() == layers &&
                     input_norm_.size() == layers && post_attention_norm_.size() == layers &&
@@ -143,11 +143,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm (float32)");
   m.def("write_context_kv", &write_context_kv, "context K/V of committed tokens into the arena (float32)");
   m.def("greedy_peak", &greedy_peak, "argmax and softmax peak per row (float32)");
+  m.def("greedy_verify", &greedy_verify, "the greedy accept rule on the verify's logits (float32)");
   m.def("add_rms_norm", &add_rms_norm, "residual add and RMSNorm (float32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("draft_block_attention", &draft_block_attention, "draft-block attention on CPU (float32)");
   m.def("dot_available", &dot_available, "whether this build has the AVX512-BF16 GEMM");
-  m.def("dot_linear", &dot_linear, "x @ W.T + bias through AVX512-BF16 dot products (bf16 inputs, float32 sums)");
+  m.def("dot_int8_available", &dot_int8_available, "whether this build has the AVX512-VNNI int8 GEMM");
+  m.def("dot_linear", &dot_linear,
+        "x @ W.T + bias through AVX512 dot products (bf16 or int8 products as the packed weight's dtype says)");
   pybind11::class_<DraftStep>(m, "DraftStep")
       .def(pybind11::init<PackedLinear, PackedLinear, std::vector<PackedLinear>, std::vector<PackedLinear>,
                           std::vector<PackedLinear>, std::vector<PackedLinear>, PackedLinear, torch::Tensor, torch::Tensor,

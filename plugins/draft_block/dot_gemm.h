@@ -1,15 +1,20 @@
-// The drafter's GEMMs on CPUs with AVX512-BF16 dot products (part of cpu_kernel.cpp's module; models/linear.py
-// `CastLinear` calls it for a bf16 GEMM, and the whole compiled draft step for each of its GEMMs).
+// The drafter's GEMMs on CPUs with AVX512 dot products (part of cpu_kernel.cpp's module; models/linear.py
+// `CastLinear` calls it for a bf16 or int8 GEMM, and the whole compiled draft step for each of its GEMMs).
 //
 // Why: a drafter step's GEMMs have 1 to ~16 rows (a block per request), where oneDNN's bf16 call costs ~25 us more
-// than its arithmetic and fbgemm's float16 one multiplies at float32's rate. `vdpbf16ps` multiplies bf16 pairs
-// into float32 sums at twice the FMA's rate, and a call here costs a few microseconds. Drafts need not be exact (the
-// target verifies them), so the inputs are rounded to bf16 (nearest even) and the weights are bf16 copies; products
-// and sums are float32.
+// than its arithmetic and fbgemm's float16 one multiplies at float32's rate. A call here costs a few microseconds,
+// and its products are narrower than float32's: drafts need not be exact (the target verifies them).
+// - bf16 (AVX512-BF16): `vdpbf16ps` multiplies bf16 pairs into float32 sums at twice the FMA's rate; the inputs are
+//   rounded to bf16 (nearest even) per call, the weights are bf16 copies.
+// - int8 (AVX512-VNNI): `vpdpbusd` multiplies groups of four bytes into int32 sums at twice bf16's rate again, from
+//   half its weight bytes. Each input row is quantized per call, symmetrically to [-127, 127] with its own scale;
+//   each output column's weights once, with theirs, and stored offset by +128 (the instruction takes one unsigned
+//   operand), which the epilogue takes back out: sum (qw + 128) qx = sum qw qx + 128 sum qx.
 //
-// Layout: the weight W [out, in] is packed once (`pack` in cpu.py) as [out / 16, in / 2, 16, 2] bf16: for each
-// group of 16 output columns, its pairs of input rows one after another, so a tile streams each group's weights
-// contiguously and one 64-byte load holds 16 columns x 2 inputs, the operand `vdpbf16ps` takes.
+// Layout: the weight W [out, in] is packed once (`dot_pack` in cpu.py) as [out / 16, in / k, 16, k] (k = 2 bf16 or
+// 4 bytes: one 32-bit word): for each group of 16 output columns, its words of input rows one after another, so a
+// tile streams each group's weights contiguously and one 64-byte load holds 16 columns' words, the operand the
+// instruction takes.
 
 #pragma once
 
@@ -23,124 +28,224 @@
 
 namespace dflash_dot {
 
-constexpr int64_t kGroup = 16;  // output columns per packed group (one vector of float32 sums)
+constexpr int64_t kGroup = 16;  // output columns per packed group (one vector of sums)
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kBuilt = true;
+#else
+constexpr bool kBuilt = false;
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kInt8Built = true;
+#else
+constexpr bool kInt8Built = false;
+#endif
+
+// What turns a tile's sums into outputs, from the tile's first row on.
+struct Epilogue {
+  const float* bias;        // [out] or null
+  const float* col_scale;   // int8: [out] the weight columns' scales
+  const float* row_scale;   // int8: per input row, its scale
+  const int32_t* row_offset;  // int8: per input row, 128 x the sum of its quantized inputs
+
+  Epilogue from_row(int64_t r) const {
+    return {bias, col_scale, row_scale ? row_scale + r : nullptr, row_offset ? row_offset + r : nullptr};
+  }
+};
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// bf16 pairs, float32 sums.
+struct Bf16Products {
+  static constexpr int64_t kPerWord = 2;
+  using Sums = __m512;
+  static Sums zero() { return _mm512_setzero_ps(); }
+  static Sums add(Sums acc, __m512i x, __m512i w) {
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(x), reinterpret_cast<__m512bh>(w));
+  }
+  static void store(Sums acc, const Epilogue& e, int r, int64_t col, float* y) {
+    (void)r;
+    if (e.bias) acc = _mm512_add_ps(acc, _mm512_loadu_ps(e.bias + col));
+    _mm512_storeu_ps(y, acc);
+  }
+};
 
 // x [in] float32 -> in / 2 bf16 pairs (as 32-bit words), rounded to nearest even; in a multiple of 32.
-void to_pairs(const float* x, int64_t in, uint32_t* pairs) {
+inline void to_pairs(const float* x, int64_t in, uint32_t* words) {
   for (int64_t i = 0; i < in; i += 32) {
     const __m512bh p = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
-    _mm512_storeu_si512(pairs + i / 2, reinterpret_cast<__m512i>(p));
+    _mm512_storeu_si512(words + i / 2, reinterpret_cast<__m512i>(p));
   }
 }
+#endif
 
-// y[r][16 g0 : 16 (g0 + NG)] = x[r] @ W (+ bias) for NR rows: one pass over NG packed groups, NR x NG sums in
-// registers. x: NR rows of `pairs` words; w: the first group's packed weights, `group_stride` words apart.
-template <int NR, int NG>
-void tile(const uint32_t* x, int64_t pairs, const uint32_t* w, int64_t group_stride, const float* bias,
-          float* y, int64_t out) {
-  __m512 acc[NR][NG];
-  for (int g = 0; g < NG; ++g) {
-    const __m512 b = bias ? _mm512_loadu_ps(bias + g * kGroup) : _mm512_setzero_ps();
-    for (int r = 0; r < NR; ++r) acc[r][g] = b;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Unsigned weight bytes (offset by 128) times signed input bytes, int32 sums.
+struct Int8Products {
+  static constexpr int64_t kPerWord = 4;
+  using Sums = __m512i;
+  static Sums zero() { return _mm512_setzero_si512(); }
+  static Sums add(Sums acc, __m512i x, __m512i w) { return _mm512_dpbusd_epi32(acc, w, x); }
+  static void store(Sums acc, const Epilogue& e, int r, int64_t col, float* y) {
+    const __m512i exact = _mm512_sub_epi32(acc, _mm512_set1_epi32(e.row_offset[r]));
+    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(e.row_scale[r]), _mm512_loadu_ps(e.col_scale + col));
+    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale);
+    if (e.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(e.bias + col));
+    _mm512_storeu_ps(y, v);
   }
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh wv[NG];
-    for (int g = 0; g < NG; ++g)
-      wv[g] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + g * group_stride + p * kGroup));
+};
+
+// x [in] float32 -> in / 4 words of signed bytes round(x / scale), scale = max |x| / 127 (1 for a zero row); returns
+// the scale and sets `offset` to 128 x the bytes' sum. in a multiple of 32.
+inline float to_bytes(const float* x, int64_t in, uint32_t* words, int32_t* offset) {
+  __m512 peak = _mm512_setzero_ps();
+  for (int64_t i = 0; i < in; i += 16) peak = _mm512_max_ps(peak, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  const float amax = _mm512_reduce_max_ps(peak);
+  const float scale = amax > 0.f ? amax / 127.f : 1.f;
+  const __m512 inverse = _mm512_set1_ps(1.f / scale);
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t i = 0; i < in; i += 16) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), inverse));  // nearest even
+    sum = _mm512_add_epi32(sum, q);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(words + i / 4), _mm512_cvtsepi32_epi8(q));
+  }
+  *offset = 128 * _mm512_reduce_add_epi32(sum);
+  return scale;
+}
+#endif
+
+#if defined(__AVX512F__)
+// y[r][16 g0 : 16 (g0 + NG)] for NR rows: one pass over NG packed groups, NR x NG sums in registers. x: NR rows of
+// `words` input words; w: the first group's packed weights, `group_stride` words apart.
+template <class P, int NR, int NG>
+void tile(const uint32_t* x, int64_t words, const uint32_t* w, int64_t group_stride, const Epilogue& e,
+          int64_t col, float* y, int64_t out) {
+  typename P::Sums acc[NR][NG];
+  for (int r = 0; r < NR; ++r)
+    for (int g = 0; g < NG; ++g) acc[r][g] = P::zero();
+  for (int64_t p = 0; p < words; ++p) {
+    __m512i wv[NG];
+    for (int g = 0; g < NG; ++g) wv[g] = _mm512_loadu_si512(w + g * group_stride + p * kGroup);
     for (int r = 0; r < NR; ++r) {
-      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[r * pairs + p])));
-      for (int g = 0; g < NG; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], xv, wv[g]);
+      const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[r * words + p]));
+      for (int g = 0; g < NG; ++g) acc[r][g] = P::add(acc[r][g], xv, wv[g]);
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(y + r * out + g * kGroup, acc[r][g]);
+    for (int g = 0; g < NG; ++g) P::store(acc[r][g], e, r, col + g * kGroup, y + r * out + g * kGroup);
 }
 
 // Groups [first, last) for NR rows, NG groups a tile (the register budget: NR x NG sums, NG weights, one input),
 // a last tile of single groups.
-template <int NR, int NG>
-void groups(const uint32_t* x, int64_t pairs, const uint32_t* w, const float* bias, float* y, int64_t out,
+template <class P, int NR, int NG>
+void groups(const uint32_t* x, int64_t words, const uint32_t* w, const Epilogue& e, float* y, int64_t out,
             int64_t first, int64_t last) {
-  const int64_t stride = pairs * kGroup;
+  const int64_t stride = words * kGroup;
   int64_t g = first;
-  for (; g + NG <= last; g += NG)
-    tile<NR, NG>(x, pairs, w + g * stride, stride, bias ? bias + g * kGroup : nullptr, y + g * kGroup, out);
-  for (; g < last; ++g)
-    tile<NR, 1>(x, pairs, w + g * stride, stride, bias ? bias + g * kGroup : nullptr, y + g * kGroup, out);
+  for (; g + NG <= last; g += NG) tile<P, NR, NG>(x, words, w + g * stride, stride, e, g * kGroup, y + g * kGroup, out);
+  for (; g < last; ++g) tile<P, NR, 1>(x, words, w + g * stride, stride, e, g * kGroup, y + g * kGroup, out);
 }
 
 // Up to 8 rows at a time: 4 groups a tile for up to 4 rows, 2 for 5 to 8 (at most 16 sums).
-template <int NR>
-void rows_at(const uint32_t* x, int64_t pairs, const uint32_t* w, const float* bias, float* y, int64_t out,
+template <class P, int NR>
+void rows_at(const uint32_t* x, int64_t words, const uint32_t* w, const Epilogue& e, float* y, int64_t out,
              int64_t first, int64_t last) {
   if constexpr (NR <= 4)
-    groups<NR, 4>(x, pairs, w, bias, y, out, first, last);
+    groups<P, NR, 4>(x, words, w, e, y, out, first, last);
   else
-    groups<NR, 2>(x, pairs, w, bias, y, out, first, last);
+    groups<P, NR, 2>(x, words, w, e, y, out, first, last);
 }
 
-void block_rows(int64_t rows, const uint32_t* x, int64_t pairs, const uint32_t* w, const float* bias, float* y,
+template <class P>
+void block_rows(int64_t rows, const uint32_t* x, int64_t words, const uint32_t* w, const Epilogue& e, float* y,
                 int64_t out, int64_t first, int64_t last) {
   switch (rows) {
-    case 1: return rows_at<1>(x, pairs, w, bias, y, out, first, last);
-    case 2: return rows_at<2>(x, pairs, w, bias, y, out, first, last);
-    case 3: return rows_at<3>(x, pairs, w, bias, y, out, first, last);
-    case 4: return rows_at<4>(x, pairs, w, bias, y, out, first, last);
-    case 5: return rows_at<5>(x, pairs, w, bias, y, out, first, last);
-    case 6: return rows_at<6>(x, pairs, w, bias, y, out, first, last);
-    case 7: return rows_at<7>(x, pairs, w, bias, y, out, first, last);
-    default: return rows_at<8>(x, pairs, w, bias, y, out, first, last);
+    case 1: return rows_at<P, 1>(x, words, w, e, y, out, first, last);
+    case 2: return rows_at<P, 2>(x, words, w, e, y, out, first, last);
+    case 3: return rows_at<P, 3>(x, words, w, e, y, out, first, last);
+    case 4: return rows_at<P, 4>(x, words, w, e, y, out, first, last);
+    case 5: return rows_at<P, 5>(x, words, w, e, y, out, first, last);
+    case 6: return rows_at<P, 6>(x, words, w, e, y, out, first, last);
+    case 7: return rows_at<P, 7>(x, words, w, e, y, out, first, last);
+    default: return rows_at<P, 8>(x, words, w, e, y, out, first, last);
   }
 }
-#else
-constexpr bool kBuilt = false;
+
+// Every row of x (`rows` x `words` input words) times the packed weight: each thread takes a span of column groups,
+// 8 groups at a time for all rows, 8 rows at a time, so a chunk's weights are read from memory once and from cache
+// for the next 8 rows.
+template <class P>
+void multiply(int64_t rows, const uint32_t* x, int64_t words, const uint32_t* w, const Epilogue& e, float* y,
+              int64_t out) {
+  at::parallel_for(0, out / kGroup, 8, [&](int64_t first, int64_t last) {
+    for (int64_t chunk = first; chunk < last; chunk += 8)
+      for (int64_t r = 0; r < rows; r += 8)
+        block_rows<P>(std::min<int64_t>(8, rows - r), x + r * words, words, w, e.from_row(r), y + r * out, out, chunk,
+                      std::min(chunk + 8, last));
+  });
+}
+
 #endif
 
 }  // namespace dflash_dot
 
-// Whether this build has the kernel (a CPU with AVX512-BF16, built with -march=native); `dot_linear` raises where not.
+// Whether this build has the bf16 / int8 GEMM (built with -march=native: a CPU with AVX512-BF16 / AVX512-VNNI);
+// `dot_linear` raises where not.
 inline bool dot_available() { return dflash_dot::kBuilt; }
+inline bool dot_int8_available() { return dflash_dot::kInt8Built; }
 
-// x float32 [..., in] (contiguous) times the packed bf16 weight [out / 16, in / 2, 16, 2] plus bias float32 [out] or
-// None -> float32 [..., out]; in a multiple of 32. Column groups split over torch's intra-op threads.
+// x float32 [..., in] (contiguous) times the packed weight plus bias float32 [out] or None -> float32 [..., out]; in a
+// multiple of 32. The weight: bf16 [out / 16, in / 2, 16, 2], or uint8 [out / 16, in / 4, 16, 4] (quantized + 128)
+// with `scales` float32 [out], its columns' scales. Column groups split over torch's intra-op threads.
 inline torch::Tensor dot_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                                const c10::optional<torch::Tensor>& bias) {
+                                const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& scales) {
   using namespace dflash_dot;
-  TORCH_CHECK(kBuilt, "this build has no AVX512-BF16 GEMM (the CPU lacks avx512_bf16)");
+  const bool int8 = packed.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(int8 ? kInt8Built : kBuilt, "this build has no ", int8 ? "AVX512-VNNI int8" : "AVX512-BF16",
+              " GEMM (the CPU lacks the instruction)");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be a contiguous float32 CPU tensor");
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 && packed.size(2) == kGroup &&
-                  packed.size(3) == 2 && packed.is_contiguous(),
-              "the weight must be packed bf16 [out / 16, in / 2, 16, 2]");
-  const int64_t out = packed.size(0) * kGroup, in = packed.size(1) * 2;
+  const int64_t per_word = int8 ? 4 : 2;
+  TORCH_CHECK((int8 || packed.scalar_type() == torch::kBFloat16) && packed.dim() == 4 && packed.size(2) == kGroup &&
+                  packed.size(3) == per_word && packed.is_contiguous(),
+              "the weight must be packed bf16 [out / 16, in / 2, 16, 2] or uint8 [out / 16, in / 4, 16, 4]");
+  const int64_t out = packed.size(0) * kGroup, in = packed.size(1) * per_word;
   TORCH_CHECK(x.size(-1) == in, "x's last dimension (", x.size(-1), ") must be the weight's input width (", in, ")");
   TORCH_CHECK(in % 32 == 0, "the input width must be a multiple of 32");
-  const float* bp = nullptr;
+  Epilogue e{nullptr, nullptr, nullptr, nullptr};
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == out,
                 "bias must be float32 [out]");
-    bp = bias->data_ptr<float>();
+    e.bias = bias->data_ptr<float>();
+  }
+  TORCH_CHECK(int8 == scales.has_value(), "an int8 weight needs its scales, a bf16 one has none");
+  if (int8) {
+    TORCH_CHECK(scales->scalar_type() == torch::kFloat32 && scales->is_contiguous() && scales->numel() == out,
+                "scales must be float32 [out]");
+    e.col_scale = scales->data_ptr<float>();
   }
   auto sizes = x.sizes().vec();
   sizes.back() = out;
   auto y = torch::empty(sizes, x.options());
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  const int64_t rows = x.numel() / std::max<int64_t>(in, 1), pairs = in / 2;
-  std::vector<uint32_t> x_pairs(rows * pairs);
-  for (int64_t r = 0; r < rows; ++r) to_pairs(x.data_ptr<float>() + r * in, in, x_pairs.data() + r * pairs);
+  const int64_t rows = x.numel() / std::max<int64_t>(in, 1), words = in / per_word;
+  std::vector<uint32_t> x_words(rows * words);
+  const float* xp = x.data_ptr<float>();
   const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr());
   float* yp = y.data_ptr<float>();
-  // each thread takes a span of column groups, 8 groups at a time for all rows, 8 rows at a time: a chunk's weights
-  // (8 x in x 32 bytes) are read from memory once and from cache for the next 8 rows
-  at::parallel_for(0, out / kGroup, 8, [&](int64_t first, int64_t last) {
-    for (int64_t chunk = first; chunk < last; chunk += 8)
-      for (int64_t r = 0; r < rows; r += 8)
-        block_rows(std::min<int64_t>(8, rows - r), x_pairs.data() + r * pairs, pairs, w, bp, yp + r * out, out, chunk,
-                   std::min(chunk + 8, last));
-  });
+  if (int8) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    std::vector<float> row_scale(rows);
+    std::vector<int32_t> row_offset(rows);
+    for (int64_t r = 0; r < rows; ++r)
+      row_scale[r] = to_bytes(xp + r * in, in, x_words.data() + r * words, row_offset.data() + r);
+    e.row_scale = row_scale.data();
+    e.row_offset = row_offset.data();
+    multiply<Int8Products>(rows, x_words.data(), words, w, e, yp, out);
 #endif
+  } else {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    for (int64_t r = 0; r < rows; ++r) to_pairs(xp + r * in, in, x_words.data() + r * words);
+    multiply<Bf16Products>(rows, x_words.data(), words, w, e, yp, out);
+#endif
+  }
   return y;
 }

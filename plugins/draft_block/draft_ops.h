@@ -350,6 +350,50 @@ inline void write_context_kv(torch::Tensor keys_raw, torch::Tensor values_raw, t
     }
 }
 
+// The first index of the maximum of row[0, vocab) (argmax's answer; NaNs are skipped), and the maximum.
+inline int64_t first_max(const float* row, int64_t vocab, float* most_out) {
+  const int64_t whole = vocab / kLanes * kLanes;
+  f16v lane_max = splat(-std::numeric_limits<float>::infinity());
+  for (int64_t e = 0; e < whole; e += kLanes) {
+    const f16v x = load(row + e);
+    lane_max = x > lane_max ? x : lane_max;
+  }
+  float most = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < kLanes; ++l) most = std::max(most, lane_max[l]);
+  for (int64_t e = whole; e < vocab; ++e) most = std::max(most, row[e]);
+  int64_t index = 0;
+  while (index < vocab && !(row[index] == most)) ++index;
+  *most_out = most;
+  return std::min(index, vocab - 1);
+}
+
+// The greedy accept rule on the verify's logits [b, K + 1, V] (float32, contiguous) and the drafts int64 [b, K]:
+// per request, the drafts accepted (the leading ones equal to the target's argmax after the position before them)
+// and the bonus (the target's argmax at the first mismatch, or after the last draft). Rows past a request's first
+// mismatch are not read. -> (num_accepted int64 [b], bonus int64 [b]).
+inline std::vector<torch::Tensor> greedy_verify(torch::Tensor logits, torch::Tensor drafts) {
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat32 && logits.dim() == 3, "logits must be float32 [b, K + 1, V]");
+  TORCH_CHECK(drafts.scalar_type() == torch::kInt64 && drafts.dim() == 2 && drafts.is_contiguous() &&
+                  drafts.size(0) == logits.size(0) && drafts.size(1) + 1 == logits.size(1),
+              "drafts must be contiguous int64 [b, K] beside logits [b, K + 1, V]");
+  const int64_t batch = logits.size(0), width = logits.size(1), vocab = logits.size(2);
+  const float* lp = rows_of<float>(logits, vocab, "logits");
+  const int64_t* dp = drafts.data_ptr<int64_t>();
+  auto accepted = torch::empty({batch}, drafts.options()), bonus = torch::empty({batch}, drafts.options());
+  int64_t *ap = accepted.data_ptr<int64_t>(), *bp = bonus.data_ptr<int64_t>();
+  for (int64_t r = 0; r < batch; ++r) {
+    float most;
+    int64_t j = 0, token = first_max(lp + r * width * vocab, vocab, &most);
+    while (j + 1 < width && token == dp[r * (width - 1) + j]) {
+      ++j;
+      token = first_max(lp + (r * width + j) * vocab, vocab, &most);
+    }
+    ap[r] = j;
+    bp[r] = token;
+  }
+  return {accepted, bonus};
+}
+
 // Greedy drafts and their confidence in one pass over logits [..., V] (float32, contiguous): per row the first
 // index of the maximum (argmax's answer) and the softmax's peak, 1 / sum(e^(l - max)).
 inline std::vector<torch::Tensor> greedy_peak(torch::Tensor logits) {
@@ -365,22 +409,14 @@ inline std::vector<torch::Tensor> greedy_peak(torch::Tensor logits) {
   const int64_t whole = vocab / kLanes * kLanes;
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = lp + r * vocab;
-    f16v lane_max = splat(-std::numeric_limits<float>::infinity());
-    for (int64_t e = 0; e < whole; e += kLanes) {
-      const f16v x = load(row + e);
-      lane_max = x > lane_max ? x : lane_max;
-    }
-    float most = -std::numeric_limits<float>::infinity();
-    for (int64_t l = 0; l < kLanes; ++l) most = std::max(most, lane_max[l]);
-    for (int64_t e = whole; e < vocab; ++e) most = std::max(most, row[e]);
-    int64_t index = 0;
-    while (index < vocab && !(row[index] == most)) ++index;  // the first maximum (NaNs are skipped)
+    float most;
+    const int64_t index = first_max(row, vocab, &most);
     f16v lane_sum{};
     for (int64_t e = 0; e < whole; e += kLanes) lane_sum += vexp(load(row + e) - most);
     float total = 0.f;
     for (int64_t l = 0; l < kLanes; ++l) total += lane_sum[l];
     for (int64_t e = whole; e < vocab; ++e) total += std::exp(row[e] - most);
-    tp[r] = std::min(index, vocab - 1);
+    tp[r] = index;
     pp[r] = 1.f / total;
   }
   return {tokens, peak};

@@ -230,7 +230,7 @@ class DFlashDrafter(nn.Module):
                    capacity: int) -> WholeDraftStep | None:
         """A drafter step in one compiled call (`WholeDraftStep`: `forward`, then the logits of slots 1..B-1 through
         `head` and the greedy drafts) for arenas of `capacity` positions, where the plan runs the compiled CPU kernels
-        and every GEMM, `head`'s too, is the compiled bf16 one (`CastLinear.dot`); else None. On a lone request's
+        and every GEMM, `head`'s too, is the compiled bf16 or int8 one (`CastLinear.dot`); else None. On a lone request's
         step it saves the ~25 calls from Python the per-call path makes (round 19)."""
         w, cfg = plan.weights, self.config
         if not plan.compiled or w is None or embedding.dtype != torch.float32:
@@ -240,7 +240,7 @@ class DFlashDrafter(nn.Module):
             return None
 
         def packed(linears):
-            return [(g.weight, g.bias) for g in linears]
+            return [(g.weight, g.bias, g.scales) for g in linears]
 
         step = cpu_kernel().DraftStep(
             *packed([w.fc, w.first_qkv_context]), packed(w.qkv), packed(w.o_proj), packed(w.gate_up), packed(w.down_proj),

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from ..plugins.draft_block.cpu import greedy_verify_cpu, serves
+from .sampling import greedy_tokens
+
 
 def accepted_prefix_length(matches: torch.Tensor) -> torch.Tensor:
     """Number of leading True values per row of a [b, K] boolean tensor."""
@@ -31,6 +34,15 @@ def greedy_accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> tu
     num_accepted = accepted_prefix_length(draft_tokens == target_tokens[:, :-1])
     bonus = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)
     return num_accepted, bonus
+
+
+def greedy_accept_logits(draft_tokens: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`greedy_accept` on the target's logits [b, K+1, V] instead of their argmax: on float32 CPU logits one compiled
+    pass that reads each request's rows only up to its first mismatch (`greedy_verify_cpu`; the argmax and the accept
+    rule as torch ops took ~90 us a lone request's step on this project's CPUs, round 19), else argmax + the rule."""
+    if serves(logits):
+        return greedy_verify_cpu(logits, draft_tokens)
+    return greedy_accept(draft_tokens, greedy_tokens(logits))
 
 
 def sample_from_probs(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from ..models.target import GptOssTarget
-from .accept import greedy_accept, rejection_accept, sample_from_probs
+from .accept import greedy_accept_logits, rejection_accept, sample_from_probs
 from .interface import Cancelled, OnTokens, check_request
 from .proposers import Proposer
 from .sampling import SamplingParams, greedy_tokens, probabilities
@@ -80,7 +80,7 @@ def verify_step(target: GptOssTarget, cache, proposer: Proposer | None, anchors:
     feature_layers = proposer.feature_layers if proposer is not None else []
     logits, features = target(block, block_positions, cache, feature_layers)
     if params.greedy:
-        num_accepted, bonus = greedy_accept(drafts, greedy_tokens(logits))
+        num_accepted, bonus = greedy_accept_logits(drafts, logits)
     else:
         p = probabilities(logits, params)
         if q is None:  # deterministic drafts: q is one-hot at the draft token
