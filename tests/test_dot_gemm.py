@@ -13,6 +13,7 @@ from torch.nn import functional as F
 from trtllm_dflash.models import linear
 from trtllm_dflash.models.linear import CastLinear
 from trtllm_dflash.plugins.draft_block import cpu
+from trtllm_dflash.runtime.accept import greedy_accept
 
 pytestmark = pytest.mark.skipif(cpu.dot_kernel() is None,
                                 reason=f"no AVX512-BF16 GEMM here ({cpu.unavailable_reason() or 'CPU lacks avx512_bf16'})")
@@ -170,3 +171,53 @@ def test_an_int8_cast_linear_runs_the_int8_dot_gemm_and_falls_back_to_bf16_where
     assert linear.gemm_dtype(odd, torch.int8) == linear.gemm_dtype(odd, torch.bfloat16)
     with pytest.raises(ValueError, match="AVX512-VNNI"):
         CastLinear(odd, None, torch.int8)
+
+
+def float64_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """hidden @ W.T + b in float64, every output summed in the same order (a GEMM's tiles may sum two equal rows of W
+    differently, and break their tie by rounding)."""
+    return (hidden.double()[..., None, :] * weight.double()).sum(-1) + (0 if bias is None else bias.double())
+
+
+def float32_greedy(hidden: torch.Tensor, drafts: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The greedy accept rule on the float64 logits' argmax (the float32 GEMM's wherever gaps exceed its rounding)."""
+    return greedy_accept(drafts, float64_logits(hidden, weight, bias).argmax(dim=-1))
+
+
+@needs_int8
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 4), drafts=st.integers(0, 8), groups=st.integers(1, 40), inputs=st.sampled_from([32, 256]),
+       with_bias=st.booleans(), near=st.floats(1e-4, 3e-2), seed=st.integers(0, 2**16))
+def test_the_exact_greedy_head_takes_the_float32_argmax(batch, drafts, groups, inputs, with_bias, near, seed):
+    """Near-ties the int8 logits cannot order (a rival row within `near` of each row's winner, far below int8's
+    resolution for the small gaps), exact ties (a duplicated row: the first index wins), drafts that follow the target
+    for a while: the float32 answer every time, and some logits recomputed in float32."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = groups * cpu.DOT_GROUP
+    weight = torch.randn(vocab, inputs, generator=gen) * 0.05
+    bias = torch.randn(vocab, generator=gen) * 0.1 if with_bias else None
+    hidden = torch.randn(batch, drafts + 1, inputs, generator=gen)
+    winner = float64_logits(hidden, weight, bias).argmax(-1)
+    rival = (winner[0, 0] + 1) % vocab  # a row that nearly ties with the first row's winner ...
+    weight[rival] = weight[winner[0, 0]] * (1 + near * torch.sign(torch.randn(1, generator=gen)))
+    if bias is not None:
+        bias[rival] = bias[winner[0, 0]]
+    if vocab > 2:
+        weight[-1] = weight[0]  # ... and an exact tie elsewhere
+    tokens = float64_logits(hidden, weight, bias).argmax(-1)
+    follow = torch.randint(0, drafts + 1, (batch,), generator=gen)
+    draft_tokens = torch.where(torch.arange(drafts) < follow[:, None], tokens[:, :drafts], (tokens[:, :drafts] + 1) % vocab)
+    head = cpu.ExactGreedyHead(weight, bias)
+    got = head(hidden, draft_tokens)
+    expected = float32_greedy(hidden, draft_tokens, weight, bias)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), (got, expected)
+    assert head.recomputed >= 1  # at least the first row's winner and its rival
+
+
+@needs_int8
+def test_the_exact_greedy_head_refuses_what_it_does_not_take():
+    head = cpu.ExactGreedyHead(torch.randn(32, 64), None)
+    with pytest.raises(RuntimeError, match="drafts"):
+        head(torch.randn(1, 3, 64), torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(RuntimeError, match=r"weight must be contiguous float32 \[V, H\]"):
+        head(torch.randn(1, 3, 32), torch.zeros(1, 2, dtype=torch.long))

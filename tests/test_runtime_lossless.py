@@ -7,6 +7,7 @@ import torch
 
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
+from trtllm_dflash.plugins.draft_block.cpu import dot_kernel
 from trtllm_dflash.runtime.proposers import DFlashProposer, NGramProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
@@ -19,6 +20,8 @@ PAIRS = {
     # 6 layers, window 4 (prompts far longer than the window), block 6, 2-layer drafter, 3 features
     "w4-b6": (dict(num_layers=6, sliding_window=4, experts=8, top_k=3),
               dict(block_size=6, num_layers=2, target_layer_ids=[0, 3, 4]), 12),
+    # a vocabulary of 17 x 16 words: the target's exact greedy head runs where the int8 dot GEMM does
+    "w8-b4-v272": (dict(vocab_size=272), dict(block_size=4, num_layers=1), 13),
 }
 
 
@@ -48,6 +51,12 @@ def test_speculative_greedy_matches_transformers_generate(setup, batch_size):
     mismatches = [i for i, (r, e) in enumerate(zip(results, expected)) if r.output_token_ids != e]
     assert not mismatches, f"{len(mismatches)} of {len(prompts)} prompts differ, first: {mismatches[0]}"
     assert all(r.finish_reason == "length" for r in results)
+
+
+def test_the_exact_greedy_head_serves_where_the_int8_gemm_takes_the_head(setup):
+    target = setup[0]
+    takes = target.vocab_size % 16 == 0 and dot_kernel(torch.int8) is not None
+    assert (target.greedy_head is not None) == takes
 
 
 def test_autoregressive_baseline_matches_transformers_generate(setup):

@@ -164,3 +164,24 @@ class WholeDraftStep:
         out = self.step.step(tokens, self.embedding, features, tensor, positions if tensor is None else 0, cache.keys,
                              cache.values, context_lens, self.rope, greedy)
         return out[0], (out[1], out[2]) if greedy else None
+
+
+class ExactGreedyHead:
+    """The target's greedy verify through its LM head's int8 copy with float32 argmaxes (`greedy_head.h`): each
+    argmax is the float32 GEMM's, recomputed in float32 for the few outputs the int8 logits and their error bound
+    leave in doubt. Built where `dot_serves(weight, torch.int8)`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight = weight.detach().float().contiguous()  # the head itself where it is float32 already
+        self.packed, self.scales = dot_pack(self.weight, torch.int8)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.abs_sum = self.weight.double().abs().sum(dim=1).float()
+        self.recomputed = 0  # float32 logits recomputed, over all calls (how often the bound leaves a doubt)
+
+    def __call__(self, hidden: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden float32 [b, K + 1, H] (final-normed), drafts int64 [b, K] -> (num_accepted [b], bonus [b]),
+        `accept.greedy_accept`'s answer on the argmax of the float32 logits."""
+        accepted, bonus, recomputed = KERNEL.module().exact_greedy_verify(
+            hidden.contiguous(), drafts.contiguous(), self.weight, self.packed, self.scales, self.bias, self.abs_sum)
+        self.recomputed += int(recomputed)
+        return accepted, bonus

@@ -9,6 +9,7 @@
 
 #include "dot_gemm.h"
 #include "draft_ops.h"
+#include "greedy_head.h"
 
 #include <tuple>
 #include <utility>
@@ -144,6 +145,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_context_kv", &write_context_kv, "context K/V of committed tokens into the arena (float32)");
   m.def("greedy_peak", &greedy_peak, "argmax and softmax peak per row (float32)");
   m.def("greedy_verify", &greedy_verify, "the greedy accept rule on the verify's logits (float32)");
+  m.def("exact_greedy_verify", &exact_greedy_verify,
+        "the greedy accept rule from the target's hidden states: float32 argmaxes through the int8 head");
   m.def("add_rms_norm", &add_rms_norm, "residual add and RMSNorm (float32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("draft_block_attention", &draft_block_attention, "draft-block attention on CPU (float32)");

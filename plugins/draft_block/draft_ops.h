@@ -367,6 +367,22 @@ inline int64_t first_max(const float* row, int64_t vocab, float* most_out) {
   return std::min(index, vocab - 1);
 }
 
+// The greedy accept rule over a verify of `width` = K + 1 rows per request, drafts [batch, K]: argmax(row) gives the
+// target's token of block row `row` (request r's rows are r * width ...), read only up to each request's first mismatch.
+template <typename Argmax>
+void accept_scan(int64_t batch, int64_t width, const int64_t* drafts, Argmax argmax, int64_t* accepted,
+                 int64_t* bonus) {
+  for (int64_t r = 0; r < batch; ++r) {
+    int64_t j = 0, token = argmax(r * width);
+    while (j + 1 < width && token == drafts[r * (width - 1) + j]) {
+      ++j;
+      token = argmax(r * width + j);
+    }
+    accepted[r] = j;
+    bonus[r] = token;
+  }
+}
+
 // The greedy accept rule on the verify's logits [b, K + 1, V] (float32, contiguous) and the drafts int64 [b, K]:
 // per request, the drafts accepted (the leading ones equal to the target's argmax after the position before them)
 // and the bonus (the target's argmax at the first mismatch, or after the last draft). Rows past a request's first
@@ -378,19 +394,10 @@ inline std::vector<torch::Tensor> greedy_verify(torch::Tensor logits, torch::Ten
               "drafts must be contiguous int64 [b, K] beside logits [b, K + 1, V]");
   const int64_t batch = logits.size(0), width = logits.size(1), vocab = logits.size(2);
   const float* lp = rows_of<float>(logits, vocab, "logits");
-  const int64_t* dp = drafts.data_ptr<int64_t>();
   auto accepted = torch::empty({batch}, drafts.options()), bonus = torch::empty({batch}, drafts.options());
-  int64_t *ap = accepted.data_ptr<int64_t>(), *bp = bonus.data_ptr<int64_t>();
-  for (int64_t r = 0; r < batch; ++r) {
-    float most;
-    int64_t j = 0, token = first_max(lp + r * width * vocab, vocab, &most);
-    while (j + 1 < width && token == dp[r * (width - 1) + j]) {
-      ++j;
-      token = first_max(lp + (r * width + j) * vocab, vocab, &most);
-    }
-    ap[r] = j;
-    bp[r] = token;
-  }
+  float most;
+  accept_scan(batch, width, drafts.data_ptr<int64_t>(), [&](int64_t row) { return first_max(lp + row * vocab, vocab, &most); },
+              accepted.data_ptr<int64_t>(), bonus.data_ptr<int64_t>());
   return {accepted, bonus};
 }
 

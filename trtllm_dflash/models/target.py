@@ -315,6 +315,9 @@ class GptOssTarget(nn.Module):
         self.use_cpu_kernels = True  # False: attention, MoE and add + RMSNorms in torch even where compiled kernels serve
         head = hf_model.lm_head
         self.head = CastLinear(head.weight, head.bias, exact_dtype(head.weight))
+        # a greedy verify's argmaxes through the head's int8 copy, exactly (`accept.greedy_verify_block`)
+        self.greedy_head = (draft_cpu.ExactGreedyHead(head.weight, head.bias)
+                            if lean and draft_cpu.dot_serves(head.weight, torch.int8) else None)
 
     def use_expert_storage(self, name: str) -> None:
         """Read the experts from `expert_storages[name]` from now on: the same numbers from the bf16 copies,
@@ -405,12 +408,13 @@ class GptOssTarget(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVArena,
-                feature_layers: list[int], logit_index: torch.Tensor | None = None
+                feature_layers: list[int], logit_index: torch.Tensor | None = None, head: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run tokens [b, t] at absolute positions [b, t], writing their K/V into the cache.
 
-        Returns logits [b, t, V] (or [b, V] at `logit_index` [b]) and the concatenated outputs of
-        `feature_layers` [b, t, len * hidden] (None when no layer is asked for).
+        Returns logits [b, t, V] (or [b, V] at `logit_index` [b]; with `head` False the final-normed hidden
+        states instead, [b, t, H] or [b, H]) and the concatenated outputs of `feature_layers` [b, t, len * hidden]
+        (None when no layer is asked for).
         """
         x = self.embed(tokens)
         kv_len = int(positions.max()) + 1
@@ -440,4 +444,4 @@ class GptOssTarget(nn.Module):
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
         if logit_index is not None:
             h = h[torch.arange(b, device=h.device), logit_index]
-        return self.lm_head(h), features
+        return (self.lm_head(h) if head else h), features

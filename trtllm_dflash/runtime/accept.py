@@ -36,6 +36,20 @@ def greedy_accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> tu
     return num_accepted, bonus
 
 
+def greedy_verify_block(target, block: torch.Tensor, positions: torch.Tensor, cache, feature_layers: list[int],
+                        drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The target's greedy verify of block [b, K+1] (anchors, then drafts [b, K]) at positions [b, K+1], writing its
+    K/V -> (num_accepted [b], bonus [b], the features of `feature_layers`). Where the target has an exact greedy head
+    (`GptOssTarget.greedy_head`: a float32 CPU target whose LM head the int8 dot GEMM takes), its argmaxes come from
+    the head's int8 copy with the float32 logits recomputed only where the int8 ones leave a doubt (the same tokens;
+    the 8-row head in ~0.3x fbgemm's float16 time, round 19); else from the logits."""
+    if target.greedy_head is not None:
+        hidden, features = target(block, positions, cache, feature_layers, head=False)
+        return (*target.greedy_head(hidden, drafts), features)
+    logits, features = target(block, positions, cache, feature_layers)
+    return (*greedy_accept_logits(drafts, logits), features)
+
+
 def greedy_accept_logits(draft_tokens: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`greedy_accept` on the target's logits [b, K+1, V] instead of their argmax: on float32 CPU logits one compiled
     pass that reads each request's rows only up to its first mismatch (`greedy_verify_cpu`; the argmax and the accept

@@ -211,6 +211,7 @@ def measure_step_costs(target, make_proposer, batch: int, most: int, context: in
     K + 1 tokens; "suffix" = context write + verify (no drafter forward). `make_proposer()`
     gives a fresh `DFlashProposer` (its state is scratch here). Medians over `rounds` interleaved rounds,
     made nondecreasing in K."""
+    from .accept import greedy_verify_block
     from .sampling import SamplingParams
 
     device = target.device
@@ -237,9 +238,9 @@ def measure_step_costs(target, make_proposer, batch: int, most: int, context: in
         proposer.commit(new_features, kept)
         proposer.propose(anchors, proposer.context_lens, [], k, params, generator)
 
-    def verify(k):
-        target(tokens[:, : k + 1], context + torch.arange(k + 1, device=device).expand(batch, -1), cache,
-               proposer.feature_layers)
+    def verify(k):  # greedy, as the loop verifies (`greedy_verify_block`); the first of these drafts misses
+        greedy_verify_block(target, tokens[:, : k + 1], context + torch.arange(k + 1, device=device).expand(batch, -1),
+                            cache, proposer.feature_layers, tokens[:, 1: k + 1])
 
     calls = [context_write, lambda: draft(most)] + [lambda k=k: verify(k) for k in range(widest + 1)]
     write, drafted, *verifies = interleaved_medians(calls, rounds)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from ..models.target import GptOssTarget
-from .accept import greedy_accept_logits, rejection_accept, sample_from_probs
+from .accept import greedy_verify_block, rejection_accept, sample_from_probs
 from .interface import Cancelled, OnTokens, check_request
 from .proposers import Proposer
 from .sampling import SamplingParams, greedy_tokens, probabilities
@@ -78,10 +78,11 @@ def verify_step(target: GptOssTarget, cache, proposer: Proposer | None, anchors:
     block = torch.cat([anchors[:, None], drafts], dim=1)
     block_positions = positions[:, None] + torch.arange(block.shape[1], device=device)
     feature_layers = proposer.feature_layers if proposer is not None else []
-    logits, features = target(block, block_positions, cache, feature_layers)
     if params.greedy:
-        num_accepted, bonus = greedy_accept_logits(drafts, logits)
+        num_accepted, bonus, features = greedy_verify_block(target, block, block_positions, cache, feature_layers,
+                                                            drafts)
     else:
+        logits, features = target(block, block_positions, cache, feature_layers)
         p = probabilities(logits, params)
         if q is None:  # deterministic drafts: q is one-hot at the draft token
             q = torch.nn.functional.one_hot(drafts, p.shape[-1]).to(p.dtype)
