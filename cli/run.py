@@ -351,12 +351,13 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
                    "GEMM runs, else bfloat16 where bf16 GEMMs are native (CUDA, a CPU with AVX512-BF16), else "
                    "float16 where fbgemm runs (x86 CPUs), else --dtype [default: auto; reference backend, dflash and "
                    "dflash-sa only].")
-@click.option("--expert-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+@click.option("--expert-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16", "int8"]),
               help="How the reference runtime's MoE reads the target's experts: as --dtype, or (CPU, float32 experts "
                    "that bf16 holds exactly, as MXFP4 checkpoints' are) from bf16 copies cast back per GEMM (the same "
-                   "numbers) or from float16 copies for fbgemm's GEMM, float32 math (x86; the same to float32 "
-                   "rounding). auto: the fastest, timed at start-up (it depends on the machine) [default: auto; "
-                   "reference backend only].")
+                   "numbers), from int8 copies times a power of two per block of 32 input rows (MXFP4 experts: the "
+                   "same numbers, half bf16's bytes) or from float16 copies for fbgemm's GEMM, float32 math (x86; the "
+                   "same to float32 rounding). auto: the fastest, timed at start-up (it depends on the machine) "
+                   "[default: auto; reference backend only].")
 @click.option("--backend", type=click.Choice(["auto", "trtllm", "reference"]), default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (reference backend).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",

@@ -19,6 +19,7 @@ from trtllm_dflash.models.kv_cache import KVArena
 from trtllm_dflash.models.rope import rotate
 from trtllm_dflash.models.target import GptOssTarget, causal_mask, compact_copy, routed_experts, sink_attention
 from trtllm_dflash.plugins.target import cpu
+from trtllm_dflash.quant.codecs import mxfp4_decode, mxfp4_encode
 
 pytestmark = pytest.mark.skipif(cpu.target_kernels() is None, reason=f"kernel not built: {cpu.unavailable_reason()}")
 
@@ -56,6 +57,43 @@ def test_kernel_equals_the_torch_formulation(tokens, experts, top_k, hidden, int
     scale = float(expected.abs().max())
     torch.testing.assert_close(from_float32, expected, rtol=1e-5, atol=2e-6 * max(scale, 1.0))
     assert torch.equal(from_bf16, from_float32)
+
+
+def mxfp4_experts(experts: int, inputs: int, outputs: int, seed: int) -> torch.Tensor:
+    """Random experts [E, in, out] as an MXFP4 checkpoint holds them: blocks of 32 input rows a column, each value of
+    {0, 0.5, .., 6} (signed) times the block's power of two (the codec's round trip of random weights)."""
+    weight = torch.randn(experts, outputs, inputs, generator=torch.Generator().manual_seed(seed)) * 2.0 ** (seed % 7 - 3)
+    return mxfp4_decode(*mxfp4_encode(weight)).transpose(1, 2).contiguous()
+
+
+@settings(max_examples=30, deadline=None)
+@given(tokens=st.integers(1, 20), experts=st.integers(1, 9), top_k=st.integers(1, 4),
+       hidden=st.sampled_from([32, 64]), intermediate=st.sampled_from([32, 96]), seed=st.integers(0, 2**16))
+def test_int8_blocks_hold_mxfp4_experts_exactly_and_the_kernel_reads_them_bit_for_bit(tokens, experts, top_k, hidden,
+                                                                                      intermediate, seed):
+    """`int8_blocks` of MXFP4 experts gives back every weight exactly; the MoE kernel from them equals the kernel
+    from the float32 originals bit for bit (the same products in the same order), and so does the torch path."""
+    top_k = min(top_k, experts)
+    mlp = random_mlp(experts, top_k, hidden, intermediate, seed)
+    with torch.no_grad():
+        mlp.experts.gate_up_proj.copy_(mxfp4_experts(experts, hidden, 2 * intermediate, seed))
+        mlp.experts.down_proj.copy_(mxfp4_experts(experts, intermediate, hidden, seed + 1))
+    blocks = cpu.int8_blocks(mlp.experts.gate_up_proj), cpu.int8_blocks(mlp.experts.down_proj)
+    for copy, weight in zip(blocks, (mlp.experts.gate_up_proj, mlp.experts.down_proj)):
+        assert copy.values.dtype == torch.int8 and copy.values.abs().max() <= 127
+        assert all(torch.equal(copy[e], weight[e]) for e in range(experts))
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))
+    with torch.inference_mode():
+        assert torch.equal(routed_experts(x, mlp, *blocks, compiled=True), routed_experts(x, mlp, compiled=True))
+        assert torch.equal(routed_experts(x, mlp, *blocks), routed_experts(x, mlp))
+
+
+def test_int8_blocks_refuse_what_they_cannot_hold_exactly():
+    assert cpu.int8_blocks(torch.randn(2, 64, 16)) is None  # random float32: no int8 times a power of two
+    assert cpu.int8_blocks(mxfp4_experts(2, 32, 16, 0)[:, :16]) is None  # 16 input rows: no block of 32
+    assert cpu.int8_blocks(mxfp4_experts(2, 32, 16, 0).bfloat16()) is None  # only float32 originals
+    zero = cpu.int8_blocks(torch.zeros(1, 32, 16))  # all-zero blocks: scale 2^-7, values 0
+    assert zero is not None and torch.equal(zero[0], torch.zeros(32, 16))
 
 
 @settings(max_examples=30, deadline=None)

@@ -11,6 +11,7 @@ numbers are theirs up to float32 summation order (tests/test_target_cpu.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,13 +28,52 @@ def target_kernels():
     return KERNEL.module()
 
 
+BLOCK = 32  # input rows sharing a `BlockInt8` scale
+
+
+@dataclass(frozen=True)
+class BlockInt8:
+    """Expert matrices [E, in, out] held exactly as int8 `values` times a power-of-two `scales` [E, in / 32, out], one
+    per block of 32 input rows and output column (`int8_blocks`). MXFP4 experts always fit: a value of
+    {0, 0.5, 1, 1.5, 2, 3, 4, 6} times its block's power of two is an integer of at most 96 times a smaller one. Half
+    the bytes of a bf16 copy and one more multiply a weight vector in the MoE kernel; `[e]` gives expert e's float32
+    matrix (the torch path's GEMM, the same numbers)."""
+
+    values: torch.Tensor  # int8 [E, in, out]
+    scales: torch.Tensor  # float32 [E, in / BLOCK, out]
+
+    def __getitem__(self, expert: int) -> torch.Tensor:
+        return (self.values[expert].view(-1, BLOCK, self.values.shape[-1]).float()
+                * self.scales[expert][:, None]).view(self.values.shape[1:])
+
+
+def int8_blocks(weight: torch.Tensor) -> BlockInt8 | None:
+    """Float32 CPU experts [E, in, out] as `BlockInt8` where every block of 32 input rows of a column is an int8 times
+    a power of two exactly (scale 2^(e - 7) for the block's peak m * 2^e, 0.5 <= m < 1: |values| < 128), else None."""
+    weight = weight.detach()
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 3 or weight.shape[1] % BLOCK:
+        return None
+    experts, inputs, outputs = weight.shape
+    blocks = weight.view(experts, inputs // BLOCK, BLOCK, outputs)
+    _, exponent = torch.frexp(blocks.abs().amax(dim=2))
+    scales = torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent - 7)
+    values = (blocks / scales[:, :, None]).round()
+    if values.abs().max() > 127 or not torch.equal(values * scales[:, :, None], blocks):
+        return None
+    return BlockInt8(values.to(torch.int8).view(experts, inputs, outputs), scales)
+
+
 def moe_serves(x: torch.Tensor, gate_up: object, down: object) -> bool:
     """Whether the MoE kernel takes these: float32 CPU tokens, experts as float32 or bf16 CPU tensors alike
-    ([E, H, 2I], [E, I, H]; not fbgemm's packed copies), H and I multiples of `LANES`, the kernel built."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and isinstance(gate_up, torch.Tensor)
-            and isinstance(down, torch.Tensor) and gate_up.device.type == "cpu" and gate_up.dtype == down.dtype
-            and gate_up.dtype in (torch.float32, torch.bfloat16)
-            and x.shape[-1] % LANES == 0 and down.shape[1] % LANES == 0 and target_kernels() is not None)
+    ([E, H, 2I], [E, I, H]; not fbgemm's packed copies) or both `BlockInt8`, H and I multiples of `LANES`, the
+    kernel built."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or target_kernels() is None:
+        return False
+    if isinstance(gate_up, BlockInt8) and isinstance(down, BlockInt8):
+        return True  # int8_blocks made them from float32 CPU experts in blocks of 32 rows
+    return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.device.type == "cpu"
+            and gate_up.dtype == down.dtype and gate_up.dtype in (torch.float32, torch.bfloat16)
+            and x.shape[-1] % LANES == 0 and down.shape[1] % LANES == 0)
 
 
 def route_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,15 +82,19 @@ def route_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: 
     return tuple(target_kernels().route(x.contiguous(), weight.contiguous(), bias.contiguous(), top_k))
 
 
-def routed_experts_cpu(x: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor, gate_up: torch.Tensor,
-                       gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor, alpha: float,
-                       limit: float) -> torch.Tensor:
+def routed_experts_cpu(x: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor,
+                       gate_up: torch.Tensor | BlockInt8, gate_up_bias: torch.Tensor, down: torch.Tensor | BlockInt8,
+                       down_bias: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """x float32 [n, H], the router's top-k `indices` [n, k] and `scores` [n, k], gate_up [E, H, 2I] (gate and
-    up interleaved) and down [E, I, H] (float32 or bf16), their float32 biases -> [n, H]: per token, the sum
-    over its slots of score x down(swiglu(gate_up(x))), gpt-oss's clamped SwiGLU with `alpha` and `limit`."""
+    up interleaved) and down [E, I, H] (float32, bf16, or both `BlockInt8`), their float32 biases -> [n, H]: per
+    token, the sum over its slots of score x down(swiglu(gate_up(x))), gpt-oss's clamped SwiGLU with `alpha` and
+    `limit`."""
+    scales = (gate_up.scales, down.scales) if isinstance(gate_up, BlockInt8) else (None, None)
+    if isinstance(gate_up, BlockInt8):
+        gate_up, down = gate_up.values, down.values
     return target_kernels().routed_experts(x.contiguous(), indices.contiguous(), scores.float().contiguous(),
                                        gate_up.contiguous(), gate_up_bias.float().contiguous(), down.contiguous(),
-                                       down_bias.float().contiguous(), alpha, limit)
+                                       down_bias.float().contiguous(), alpha, limit, *scales)
 
 
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -19,10 +19,13 @@
 
 #include "../vector_math.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -40,11 +43,22 @@ inline f16v load(const uint16_t* p) {  // bf16 -> float32: the bits moved to the
   return reinterpret_cast<f16v>(wide);
 }
 
+typedef int8_t i8x16u __attribute__((vector_size(16), aligned(1)));
+constexpr int64_t kBlock = 32;  // input rows sharing an int8 weight's power-of-two scale
+
+inline f16v load(const int8_t* p) {  // int8 -> float32, exactly
+#if defined(__AVX512F__)
+  return reinterpret_cast<f16v>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#else
+  return __builtin_convertvector(*reinterpret_cast<const i8x16u*>(p), f16v);
+#endif
+}
+
 // y[r][c0 : c0 + 16 NV] = x[r] @ w[:, c0 : c0 + 16 NV] (+ bias) for NR rows: one pass over the weight tile,
 // NR x NV accumulators in registers.
 template <int NR, int NV, typename W>
-void tile(const float* const* x, int64_t in, const W* w, int64_t out, const float* bias, float* const* y,
-          int64_t c0) {
+void tile(const float* const* x, int64_t in, const W* w, const float* scales, int64_t out, const float* bias,
+          float* const* y, int64_t c0) {
   f16v acc[NR][NV] = {};
   constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line
   for (int64_t h = 0; h < in; ++h) {
@@ -53,6 +67,8 @@ void tile(const float* const* x, int64_t in, const W* w, int64_t out, const floa
     for (int64_t e = 0; e < NV * kLanes; e += kLine) __builtin_prefetch(w + (h + kAhead) * out + c0 + e);
     f16v wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = load(w + h * out + c0 + v * kLanes);
+    if constexpr (std::is_same_v<W, int8_t>)  // int8 x its block's power of two: the weight itself, exactly
+      for (int v = 0; v < NV; ++v) wv[v] *= load(scales + (h / kBlock) * out + c0 + v * kLanes);
     for (int r = 0; r < NR; ++r) {
       const f16v xs = splat(x[r][h]);
       for (int v = 0; v < NV; ++v) acc[r][v] += xs * wv[v];
@@ -65,24 +81,25 @@ void tile(const float* const* x, int64_t in, const W* w, int64_t out, const floa
 
 // One column tile for every row, kRows rows at a time (the tile stays in cache between row blocks).
 template <int NV, typename W>
-void rows_tile(const float* const* x, int64_t rows, int64_t in, const W* w, int64_t out, const float* bias,
-               float* const* y, int64_t c0) {
+void rows_tile(const float* const* x, int64_t rows, int64_t in, const W* w, const float* scales, int64_t out,
+               const float* bias, float* const* y, int64_t c0) {
   for (int64_t r0 = 0; r0 < rows; r0 += kRows) switch (std::min<int64_t>(kRows, rows - r0)) {
-      case 4: tile<4, NV>(x + r0, in, w, out, bias, y + r0, c0); break;
-      case 3: tile<3, NV>(x + r0, in, w, out, bias, y + r0, c0); break;
-      case 2: tile<2, NV>(x + r0, in, w, out, bias, y + r0, c0); break;
-      default: tile<1, NV>(x + r0, in, w, out, bias, y + r0, c0); break;
+      case 4: tile<4, NV>(x + r0, in, w, scales, out, bias, y + r0, c0); break;
+      case 3: tile<3, NV>(x + r0, in, w, scales, out, bias, y + r0, c0); break;
+      case 2: tile<2, NV>(x + r0, in, w, scales, out, bias, y + r0, c0); break;
+      default: tile<1, NV>(x + r0, in, w, scales, out, bias, y + r0, c0); break;
     }
 }
 
 // Rows x[r] [in] (any addresses) times w [in, out] plus bias [out] (or none) -> y[r] [out], columns
-// [c_begin, c_end) (multiples of 16).
+// [c_begin, c_end) (multiples of 16). int8 weights: `scales` [in / 32, out], else null.
 template <typename W>
-void linear_rows(const float* const* x, int64_t rows, int64_t in, const W* w, int64_t out, const float* bias,
-                 float* const* y, int64_t c_begin, int64_t c_end) {
+void linear_rows(const float* const* x, int64_t rows, int64_t in, const W* w, const float* scales, int64_t out,
+                 const float* bias, float* const* y, int64_t c_begin, int64_t c_end) {
   int64_t c0 = c_begin;
-  for (; c0 + kVectors * kLanes <= c_end; c0 += kVectors * kLanes) rows_tile<kVectors>(x, rows, in, w, out, bias, y, c0);
-  for (; c0 < c_end; c0 += kLanes) rows_tile<1>(x, rows, in, w, out, bias, y, c0);
+  for (; c0 + kVectors * kLanes <= c_end; c0 += kVectors * kLanes)
+    rows_tile<kVectors>(x, rows, in, w, scales, out, bias, y, c0);
+  for (; c0 < c_end; c0 += kLanes) rows_tile<1>(x, rows, in, w, scales, out, bias, y, c0);
 }
 
 // gpt-oss's gate on gate_up [2I] with gate and up interleaved (even, odd columns) -> act [I]:
@@ -111,8 +128,8 @@ void check(const torch::Tensor& t, const char* name, int64_t dims) {
 // into slots[token * k + slot].
 template <typename W>
 void run_expert(const float* xp, const float* sp, const std::vector<int64_t>& routed, int64_t k, int64_t hidden,
-                int64_t inter, const W* gu, const float* gub, const W* dn, const float* dnb, float alpha, float limit,
-                float* slots) {
+                int64_t inter, const W* gu, const float* gus, const float* gub, const W* dn, const float* dns,
+                const float* dnb, float alpha, float limit, float* slots) {
   const int64_t rows = static_cast<int64_t>(routed.size());
   std::vector<float> gate_up(rows * 2 * inter), gate(inter), up(inter), act(rows * inter);
   std::vector<const float*> x_rows, act_rows;
@@ -123,10 +140,10 @@ void run_expert(const float* xp, const float* sp, const std::vector<int64_t>& ro
     act_rows.push_back(act.data() + r * inter);
     out_rows.push_back(slots + routed[r] * hidden);
   }
-  linear_rows(x_rows.data(), rows, hidden, gu, 2 * inter, gub, gate_up_rows.data(), 0, 2 * inter);
+  linear_rows(x_rows.data(), rows, hidden, gu, gus, 2 * inter, gub, gate_up_rows.data(), 0, 2 * inter);
   for (int64_t r = 0; r < rows; ++r)
     clamped_swiglu(gate_up_rows[r], inter, alpha, limit, gate.data(), up.data(), act.data() + r * inter);
-  linear_rows(act_rows.data(), rows, inter, dn, hidden, dnb, out_rows.data(), 0, hidden);
+  linear_rows(act_rows.data(), rows, inter, dn, dns, hidden, dnb, out_rows.data(), 0, hidden);
   for (int64_t r = 0; r < rows; ++r) {
     const f16v score = splat(sp[routed[r]]);
     for (int64_t c = 0; c < hidden; c += kLanes) store(out_rows[r] + c, load(out_rows[r] + c) * score);
@@ -136,8 +153,8 @@ void run_expert(const float* xp, const float* sp, const std::vector<int64_t>& ro
 // Every routed expert (in parallel over torch's intra-op threads: their rows write disjoint slots).
 template <typename W>
 void run_experts(const float* xp, const int64_t* ip, const float* sp, int64_t n, int64_t k, int64_t hidden,
-                 int64_t inter, int64_t experts, const W* gu, const float* gub, const W* dn, const float* dnb,
-                 float alpha, float limit, float* slots) {
+                 int64_t inter, int64_t experts, const W* gu, const float* gus, const float* gub, const W* dn,
+                 const float* dns, const float* dnb, float alpha, float limit, float* slots) {
   std::vector<std::vector<int64_t>> routed(experts);
   for (int64_t s = 0; s < n * k; ++s) routed[ip[s]].push_back(s);
   std::vector<int64_t> touched;
@@ -146,8 +163,9 @@ void run_experts(const float* xp, const int64_t* ip, const float* sp, int64_t n,
   at::parallel_for(0, static_cast<int64_t>(touched.size()), 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const int64_t e = touched[i];
-      run_expert(xp, sp, routed[e], k, hidden, inter, gu + e * hidden * 2 * inter, gub + e * 2 * inter,
-                 dn + e * inter * hidden, dnb + e * hidden, alpha, limit, slots);
+      run_expert(xp, sp, routed[e], k, hidden, inter, gu + e * hidden * 2 * inter,
+                 gus ? gus + e * hidden / kBlock * 2 * inter : nullptr, gub + e * 2 * inter, dn + e * inter * hidden,
+                 dns ? dns + e * inter / kBlock * hidden : nullptr, dnb + e * hidden, alpha, limit, slots);
     }
   });
 }
@@ -217,11 +235,14 @@ std::vector<torch::Tensor> route(torch::Tensor x, torch::Tensor weight, torch::T
 }
 
 // x float32 [n, H]; indices int64 [n, k] and scores float32 [n, k] (the router's top-k and their softmax);
-// gate_up [E, H, 2I] and down [E, I, H], both float32 or both bf16; biases float32 [E, 2I], [E, H].
-// H and I multiples of 16. -> float32 [n, H]: sum over slots j of scores[t, j] * expert(indices[t, j], x[t]).
+// gate_up [E, H, 2I] and down [E, I, H], both float32, both bf16 or both int8 (then with their float32 scales,
+// [E, H / 32, 2I] and [E, I / 32, H]: each weight is its int8 times the scale of its block of 32 input rows);
+// biases float32 [E, 2I], [E, H]. H and I multiples of 16 (of 32 for int8).
+// -> float32 [n, H]: sum over slots j of scores[t, j] * expert(indices[t, j], x[t]).
 torch::Tensor routed_experts(torch::Tensor x, torch::Tensor indices, torch::Tensor scores, torch::Tensor gate_up,
                              torch::Tensor gate_up_bias, torch::Tensor down, torch::Tensor down_bias, double alpha,
-                             double limit) {
+                             double limit, c10::optional<torch::Tensor> gate_up_scales,
+                             c10::optional<torch::Tensor> down_scales) {
   for (const auto& [t, name, dims] : {std::tuple{&x, "x", 2}, {&indices, "indices", 2}, {&scores, "scores", 2},
                                       {&gate_up, "gate_up", 3}, {&gate_up_bias, "gate_up_bias", 2},
                                       {&down, "down", 3}, {&down_bias, "down_bias", 2}})
@@ -233,15 +254,28 @@ torch::Tensor routed_experts(torch::Tensor x, torch::Tensor indices, torch::Tens
               "x, scores and the biases must be float32");
   TORCH_CHECK(indices.scalar_type() == torch::kInt64 && indices.size(0) == n && scores.sizes() == indices.sizes(),
               "indices (int64) and scores must both be [n, k]");
-  TORCH_CHECK(gate_up.scalar_type() == down.scalar_type() &&
-                  (gate_up.scalar_type() == torch::kFloat32 || gate_up.scalar_type() == torch::kBFloat16),
-              "gate_up and down must both be float32 or both bf16");
+  const auto kind = gate_up.scalar_type();
+  TORCH_CHECK(kind == down.scalar_type() &&
+                  (kind == torch::kFloat32 || kind == torch::kBFloat16 || kind == torch::kChar),
+              "gate_up and down must both be float32, both bf16 or both int8");
+  const bool int8 = kind == torch::kChar;
+  TORCH_CHECK(int8 == gate_up_scales.has_value() && int8 == down_scales.has_value(),
+              "int8 experts need both scales, others none");
   TORCH_CHECK(gate_up.size(1) == hidden && gate_up.size(2) == 2 * inter && down.size(0) == experts &&
                   down.size(2) == hidden && gate_up_bias.size(0) == experts && gate_up_bias.size(1) == 2 * inter &&
                   down_bias.size(0) == experts && down_bias.size(1) == hidden,
               "expert shapes must be gate_up [E, H, 2I], down [E, I, H], biases [E, 2I] and [E, H]");
   TORCH_CHECK(hidden % kLanes == 0 && inter % kLanes == 0, "hidden and intermediate sizes must be multiples of ",
               kLanes);
+  if (int8) {
+    TORCH_CHECK(hidden % kBlock == 0 && inter % kBlock == 0, "int8 experts need sizes that are multiples of ", kBlock);
+    for (const auto& [t, name, rows, cols] : {std::tuple{&*gate_up_scales, "gate_up_scales", hidden, 2 * inter},
+                                              {&*down_scales, "down_scales", inter, hidden}}) {
+      check(*t, name, 3);
+      TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->size(0) == experts && t->size(1) == rows / kBlock &&
+                      t->size(2) == cols, name, " must be float32 [E, in / 32, out]");
+    }
+  }
   const int64_t* ip = indices.data_ptr<int64_t>();
   for (int64_t s = 0; s < n * k; ++s)
     TORCH_CHECK(ip[s] >= 0 && ip[s] < experts, "expert index ", ip[s], " outside [0, ", experts, ")");
@@ -250,12 +284,16 @@ torch::Tensor routed_experts(torch::Tensor x, torch::Tensor indices, torch::Tens
   const float *gub = gate_up_bias.data_ptr<float>(), *dnb = down_bias.data_ptr<float>();
   float* out_slots = slots.data_ptr<float>();
   const auto a = static_cast<float>(alpha), l = static_cast<float>(limit);
-  if (gate_up.scalar_type() == torch::kFloat32)
-    run_experts(xp, ip, sp, n, k, hidden, inter, experts, gate_up.data_ptr<float>(), gub, down.data_ptr<float>(), dnb,
-                a, l, out_slots);
+  if (kind == torch::kFloat32)
+    run_experts(xp, ip, sp, n, k, hidden, inter, experts, gate_up.data_ptr<float>(), nullptr, gub,
+                down.data_ptr<float>(), nullptr, dnb, a, l, out_slots);
+  else if (kind == torch::kBFloat16)
+    run_experts(xp, ip, sp, n, k, hidden, inter, experts, reinterpret_cast<const uint16_t*>(gate_up.data_ptr()),
+                nullptr, gub, reinterpret_cast<const uint16_t*>(down.data_ptr()), nullptr, dnb, a, l, out_slots);
   else
-    run_experts(xp, ip, sp, n, k, hidden, inter, experts, reinterpret_cast<const uint16_t*>(gate_up.data_ptr()), gub,
-                reinterpret_cast<const uint16_t*>(down.data_ptr()), dnb, a, l, out_slots);
+    run_experts(xp, ip, sp, n, k, hidden, inter, experts, gate_up.data_ptr<int8_t>(),
+                gate_up_scales->data_ptr<float>(), gub, down.data_ptr<int8_t>(), down_scales->data_ptr<float>(), dnb,
+                a, l, out_slots);
   auto out = torch::empty({n, hidden}, x.options());
   float* op = out.data_ptr<float>();
   for (int64_t t = 0; t < n; ++t) {  // the top-k outputs summed in slot order
@@ -391,10 +429,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch:
   }
   at::parallel_for(0, out / kLanes, 256 / kLanes, [&](int64_t first, int64_t last) {
     if (weight.scalar_type() == torch::kFloat32)
-      linear_rows(x_rows.data(), rows, in, weight.data_ptr<float>(), out, bp, y_rows.data(), first * kLanes,
+      linear_rows(x_rows.data(), rows, in, weight.data_ptr<float>(), nullptr, out, bp, y_rows.data(), first * kLanes,
                   last * kLanes);
     else
-      linear_rows(x_rows.data(), rows, in, reinterpret_cast<const uint16_t*>(weight.data_ptr()), out, bp,
+      linear_rows(x_rows.data(), rows, in, reinterpret_cast<const uint16_t*>(weight.data_ptr()), nullptr, out, bp,
                   y_rows.data(), first * kLanes, last * kLanes);
   });
   return y;
