@@ -175,7 +175,7 @@ class ExactGreedyHead:
         self.weight = weight.detach().float().contiguous()  # the head itself where it is float32 already
         self.packed, self.scales = dot_pack(self.weight, torch.int8)
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.abs_sum = self.weight.double().abs().sum(dim=1).float()
+        self.abs_sum = self.weight.abs().sum(dim=1, dtype=torch.float64).float()  # no float64 copy of the head
         self.recomputed = 0  # float32 logits recomputed, over all calls (how often the bound leaves a doubt)
 
     def __call__(self, hidden: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

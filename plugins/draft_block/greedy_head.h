@@ -68,26 +68,22 @@ inline int64_t certified_argmax(const float* x, int64_t n, const float* approx, 
     _mm512_storeu_ps(upper + j, _mm512_add_ps(a, bound));
   }
   const float threshold = _mm512_reduce_max_ps(lowest);
-  int64_t best_index = -1;
-  float best = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < vocab; ++j) {
-    if (!(upper[j] >= threshold)) continue;
-    ++*recomputed;
-    const float logit = exact_dot(x, weight + j * n, n, bias ? bias[j] : 0.f);
-    if (best_index < 0 || logit > best) {
-      best = logit;
-      best_index = j;
+  // the first maximum of the float32 logits of the words `considered` admits (-1 where it admits none)
+  const auto first_best = [&](auto considered) {
+    int64_t best_index = -1;
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < vocab; ++j) {
+      if (!considered(j)) continue;
+      const float logit = exact_dot(x, weight + j * n, n, bias ? bias[j] : 0.f);
+      if (best_index < 0 || logit > best) {
+        best = logit;
+        best_index = j;
+      }
     }
-  }
-  if (best_index >= 0) return best_index;
-  for (int64_t j = 0; j < vocab; ++j) {  // no candidate (a NaN somewhere): every logit in float32
-    const float logit = exact_dot(x, weight + j * n, n, bias ? bias[j] : 0.f);
-    if (best_index < 0 || logit > best) {
-      best = logit;
-      best_index = j;
-    }
-  }
-  return best_index;
+    return best_index;
+  };
+  const int64_t index = first_best([&](int64_t j) { return upper[j] >= threshold && (++*recomputed, true); });
+  return index >= 0 ? index : first_best([](int64_t) { return true; });  // no candidate (a NaN somewhere): every logit
 }
 
 }  // namespace dflash_dot

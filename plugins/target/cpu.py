@@ -89,9 +89,11 @@ def routed_experts_cpu(x: torch.Tensor, indices: torch.Tensor, scores: torch.Ten
     up interleaved) and down [E, I, H] (float32, bf16, or both `BlockInt8`), their float32 biases -> [n, H]: per
     token, the sum over its slots of score x down(swiglu(gate_up(x))), gpt-oss's clamped SwiGLU with `alpha` and
     `limit`."""
-    scales = (gate_up.scales, down.scales) if isinstance(gate_up, BlockInt8) else (None, None)
     if isinstance(gate_up, BlockInt8):
+        scales = (gate_up.scales, down.scales)
         gate_up, down = gate_up.values, down.values
+    else:
+        scales = (None, None)
     return target_kernels().routed_experts(x.contiguous(), indices.contiguous(), scores.float().contiguous(),
                                        gate_up.contiguous(), gate_up_bias.float().contiguous(), down.contiguous(),
                                        down_bias.float().contiguous(), alpha, limit, *scales)

@@ -228,15 +228,16 @@ def drafter_gemm_dtype(choice: str, model_dtype: torch.dtype, device: torch.devi
     0.74x bf16's time inside the loop, pooled tau within 0.01 on the embedded pair, round 19), else bfloat16 where
     bf16 GEMMs are native here, else float16 where fbgemm's fp16-weight GEMM runs (x86 CPUs), else the model's dtype.
     int8 runs only in that GEMM: asked for on a CPU without it (or on CUDA), it is an `InputError`."""
+    int8_runs = device.type == "cpu" and draft_cpu.dot_kernel(torch.int8) is not None
     if choice == "auto":
         if model_dtype != torch.float32:
             return None
-        if device.type == "cpu" and draft_cpu.dot_kernel(torch.int8) is not None:
+        if int8_runs:
             return torch.int8
         if native_bf16(device):
             return torch.bfloat16
         return torch.float16 if half_weights(torch.float16, device) else None
-    if choice == "int8" and (device.type != "cpu" or draft_cpu.dot_kernel(torch.int8) is None):
+    if choice == "int8" and not int8_runs:
         reason = ((draft_cpu.unavailable_reason() or "the CPU lacks AVX512-VNNI") if device.type == "cpu"
                   else "a CUDA device")
         raise InputError(f"int8 drafter GEMMs run only in the compiled AVX512-VNNI CPU kernel, not here ({reason}).",
