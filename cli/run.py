@@ -316,7 +316,7 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
 @click.option("--prompt", "prompt_texts", multiple=True, help="Prompt text (repeatable).")
 @click.option("--prompts-file", type=click.Path(path_type=Path), help="Text lines or JSONL with a 'prompt' field.")
 @click.option("--chat", is_flag=True, help="Wrap text prompts in the target tokenizer's chat template.")
-@click.option("--max-tokens", default=64, show_default=True, help="Tokens to generate per prompt.")
+@click.option("--max-tokens", default=128, show_default=True, help="Tokens to generate per prompt.")
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True, help="0 = off.")
@@ -355,8 +355,8 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
 @click.option("--expert-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16", "int8"]),
               help="How the reference runtime's MoE reads the target's experts: as --dtype, or (CPU, float32 experts "
                    "that bf16 holds exactly, as MXFP4 checkpoints' are) from bf16 copies cast back per GEMM (the same "
-                   "numbers), from int8 copies times a power of two per block of 32 input rows (MXFP4 experts: the "
-                   "same numbers, half bf16's bytes) or from float16 copies for fbgemm's GEMM, float32 math (x86; the "
+                   "numbers), from int8 copies times a power of two per input row (MXFP4 experts whose block scales lie "
+                   "within a few octaves along a row, as the embedded target's: the same numbers, half bf16's bytes) or from float16 copies for fbgemm's GEMM, float32 math (x86; the "
                    "same to float32 rounding). auto: the fastest, timed at start-up (it depends on the machine) "
                    "[default: auto; reference backend only].")
 @click.option("--backend", type=click.Choice(["auto", "trtllm", "reference"]), default="auto", show_default=True)

@@ -65,8 +65,8 @@ def test_experts_read_from_exact_copies_give_the_same_numbers():
 
 
 def test_the_embedded_targets_mxfp4_experts_read_from_each_storage_give_the_same_logits():
-    """MXFP4 experts: float32 originals, exact bf16 copies, (where fbgemm runs) float16 ones and exact int8 blocks,
-    switchable; the same logits from the bf16 copies and the int8 blocks, the same to float32 rounding and the same
+    """MXFP4 experts: float32 originals, exact bf16 copies, (where fbgemm runs) float16 ones and exact int8 rows,
+    switchable; the same logits from the bf16 copies and the int8 rows, the same to float32 rounding and the same
     greedy tokens from the float16 ones; a target with random float32 experts has one storage."""
     from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
     from trtllm_dflash.embedded import pair_paths

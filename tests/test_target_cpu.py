@@ -69,30 +69,43 @@ def mxfp4_experts(experts: int, inputs: int, outputs: int, seed: int) -> torch.T
 @settings(max_examples=30, deadline=None)
 @given(tokens=st.integers(1, 20), experts=st.integers(1, 9), top_k=st.integers(1, 4),
        hidden=st.sampled_from([32, 64]), intermediate=st.sampled_from([32, 96]), seed=st.integers(0, 2**16))
-def test_int8_blocks_hold_mxfp4_experts_exactly_and_the_kernel_reads_them_bit_for_bit(tokens, experts, top_k, hidden,
-                                                                                      intermediate, seed):
-    """`int8_blocks` of MXFP4 experts gives back every weight exactly; the MoE kernel from them equals the kernel
-    from the float32 originals bit for bit (the same products in the same order), and so does the torch path."""
+def test_int8_rows_hold_mxfp4_experts_exactly_and_the_kernel_reads_them_bit_for_bit(tokens, experts, top_k, hidden,
+                                                                                    intermediate, seed):
+    """`int8_rows` of MXFP4 experts gives back every weight exactly (through the tile-major layout, whose last tiles
+    are 16 columns wide where a width is not a multiple of 64); the MoE kernel from them, scaling its inputs instead
+    of the weights, equals the kernel from the float32 originals bit for bit, and so does the torch path."""
     top_k = min(top_k, experts)
     mlp = random_mlp(experts, top_k, hidden, intermediate, seed)
     with torch.no_grad():
         mlp.experts.gate_up_proj.copy_(mxfp4_experts(experts, hidden, 2 * intermediate, seed))
         mlp.experts.down_proj.copy_(mxfp4_experts(experts, intermediate, hidden, seed + 1))
-    blocks = cpu.int8_blocks(mlp.experts.gate_up_proj), cpu.int8_blocks(mlp.experts.down_proj)
-    for copy, weight in zip(blocks, (mlp.experts.gate_up_proj, mlp.experts.down_proj)):
+    rows = cpu.int8_rows(mlp.experts.gate_up_proj), cpu.int8_rows(mlp.experts.down_proj)
+    for copy, weight in zip(rows, (mlp.experts.gate_up_proj, mlp.experts.down_proj)):
         assert copy.values.dtype == torch.int8 and copy.values.abs().max() <= 127
         assert all(torch.equal(copy[e], weight[e]) for e in range(experts))
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))
     with torch.inference_mode():
-        assert torch.equal(routed_experts(x, mlp, *blocks, compiled=True), routed_experts(x, mlp, compiled=True))
-        assert torch.equal(routed_experts(x, mlp, *blocks), routed_experts(x, mlp))
+        assert torch.equal(routed_experts(x, mlp, *rows, compiled=True), routed_experts(x, mlp, compiled=True))
+        assert torch.equal(routed_experts(x, mlp, *rows), routed_experts(x, mlp))
 
 
-def test_int8_blocks_refuse_what_they_cannot_hold_exactly():
-    assert cpu.int8_blocks(torch.randn(2, 64, 16)) is None  # random float32: no int8 times a power of two
-    assert cpu.int8_blocks(mxfp4_experts(2, 32, 16, 0)[:, :16]) is None  # 16 input rows: no block of 32
-    assert cpu.int8_blocks(mxfp4_experts(2, 32, 16, 0).bfloat16()) is None  # only float32 originals
-    zero = cpu.int8_blocks(torch.zeros(1, 32, 16))  # all-zero blocks: scale 2^-7, values 0
+def test_tile_major_keeps_each_tile_contiguous():
+    """Columns 0-63 of every row first, then 64-79, then 80-95 (a width of 96: one whole tile, two of 16)."""
+    matrices = torch.arange(2 * 3 * 96).view(2, 3, 96)
+    tiled = cpu.tile_major(matrices)
+    assert torch.equal(tiled[1].reshape(-1)[:64 * 3], matrices[1, :, :64].reshape(-1))
+    assert torch.equal(tiled[1].reshape(-1)[64 * 3:80 * 3], matrices[1, :, 64:80].reshape(-1))
+    assert all(torch.equal(cpu.untiled(tiled[e]), matrices[e]) for e in range(2))
+
+
+def test_int8_rows_refuse_what_they_cannot_hold_exactly():
+    assert cpu.int8_rows(torch.randn(2, 64, 16)) is None  # random float32: no int8 times a power of two
+    spread = mxfp4_experts(1, 32, 16, 0)
+    spread[0, 3, 0], spread[0, 3, 1] = 1.0, 2.0 ** -9  # one row's weights 9 octaves apart: no int8 holds both
+    assert cpu.int8_rows(spread) is None
+    assert cpu.int8_rows(mxfp4_experts(2, 32, 16, 0)[:, :, :8]) is None  # 8 columns: not a whole vector
+    assert cpu.int8_rows(mxfp4_experts(2, 32, 16, 0).bfloat16()) is None  # only float32 originals
+    zero = cpu.int8_rows(torch.zeros(1, 32, 16))  # all-zero rows: scale 2^-7, values 0
     assert zero is not None and torch.equal(zero[0], torch.zeros(32, 16))
 
 

@@ -44,7 +44,6 @@ inline f16v load(const uint16_t* p) {  // bf16 -> float32: the bits moved to the
 }
 
 typedef int8_t i8x16u __attribute__((vector_size(16), aligned(1)));
-constexpr int64_t kBlock = 32;  // input rows sharing an int8 weight's power-of-two scale
 
 inline f16v load(const int8_t* p) {  // int8 -> float32, exactly
 #if defined(__AVX512F__)
@@ -55,20 +54,18 @@ inline f16v load(const int8_t* p) {  // int8 -> float32, exactly
 }
 
 // y[r][c0 : c0 + 16 NV] = x[r] @ w[:, c0 : c0 + 16 NV] (+ bias) for NR rows: one pass over the weight tile,
-// NR x NV accumulators in registers.
+// NR x NV accumulators in registers. `w` points at the tile's first column, input rows `ld` apart: the matrix's
+// width, or the tile's own where the matrix is stored tile by tile (`tile_major`).
 template <int NR, int NV, typename W>
-void tile(const float* const* x, int64_t in, const W* w, const float* scales, int64_t out, const float* bias,
-          float* const* y, int64_t c0) {
+void tile(const float* const* x, int64_t in, const W* w, int64_t ld, const float* bias, float* const* y, int64_t c0) {
   f16v acc[NR][NV] = {};
   constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line
   for (int64_t h = 0; h < in; ++h) {
-    // a tile reads one short run per weight row, rows `out` apart: fetch a few rows ahead, which the hardware
+    // a tile reads one short run per weight row, rows `ld` apart: fetch a few rows ahead, which the hardware
     // prefetcher does not do for such strides (a lone token's experts come from memory: -35% of their time)
-    for (int64_t e = 0; e < NV * kLanes; e += kLine) __builtin_prefetch(w + (h + kAhead) * out + c0 + e);
+    for (int64_t e = 0; e < NV * kLanes; e += kLine) __builtin_prefetch(w + (h + kAhead) * ld + e);
     f16v wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = load(w + h * out + c0 + v * kLanes);
-    if constexpr (std::is_same_v<W, int8_t>)  // int8 x its block's power of two: the weight itself, exactly
-      for (int v = 0; v < NV; ++v) wv[v] *= load(scales + (h / kBlock) * out + c0 + v * kLanes);
+    for (int v = 0; v < NV; ++v) wv[v] = load(w + h * ld + v * kLanes);
     for (int r = 0; r < NR; ++r) {
       const f16v xs = splat(x[r][h]);
       for (int v = 0; v < NV; ++v) acc[r][v] += xs * wv[v];
@@ -81,25 +78,31 @@ void tile(const float* const* x, int64_t in, const W* w, const float* scales, in
 
 // One column tile for every row, kRows rows at a time (the tile stays in cache between row blocks).
 template <int NV, typename W>
-void rows_tile(const float* const* x, int64_t rows, int64_t in, const W* w, const float* scales, int64_t out,
-               const float* bias, float* const* y, int64_t c0) {
+void rows_tile(const float* const* x, int64_t rows, int64_t in, const W* w, int64_t ld, const float* bias,
+               float* const* y, int64_t c0) {
   for (int64_t r0 = 0; r0 < rows; r0 += kRows) switch (std::min<int64_t>(kRows, rows - r0)) {
-      case 4: tile<4, NV>(x + r0, in, w, scales, out, bias, y + r0, c0); break;
-      case 3: tile<3, NV>(x + r0, in, w, scales, out, bias, y + r0, c0); break;
-      case 2: tile<2, NV>(x + r0, in, w, scales, out, bias, y + r0, c0); break;
-      default: tile<1, NV>(x + r0, in, w, scales, out, bias, y + r0, c0); break;
+      case 4: tile<4, NV>(x + r0, in, w, ld, bias, y + r0, c0); break;
+      case 3: tile<3, NV>(x + r0, in, w, ld, bias, y + r0, c0); break;
+      case 2: tile<2, NV>(x + r0, in, w, ld, bias, y + r0, c0); break;
+      default: tile<1, NV>(x + r0, in, w, ld, bias, y + r0, c0); break;
     }
 }
 
 // Rows x[r] [in] (any addresses) times w [in, out] plus bias [out] (or none) -> y[r] [out], columns
-// [c_begin, c_end) (multiples of 16). int8 weights: `scales` [in / 32, out], else null.
+// [c_begin, c_end) (multiples of 16). `tile_major`: w stored tile by tile (64 columns, then 16 at a time), each
+// tile's rows contiguous, so a tile streams from memory instead of reading a short run every `out` weights (then
+// [c_begin, c_end) must be whole tiles).
 template <typename W>
-void linear_rows(const float* const* x, int64_t rows, int64_t in, const W* w, const float* scales, int64_t out,
-                 const float* bias, float* const* y, int64_t c_begin, int64_t c_end) {
+void linear_rows(const float* const* x, int64_t rows, int64_t in, const W* w, int64_t out, const float* bias,
+                 float* const* y, int64_t c_begin, int64_t c_end, bool tile_major = false) {
+  const auto at = [&](int64_t c0, int64_t width, auto kind) {  // the tile's first weight and row stride
+    rows_tile<decltype(kind)::value>(x, rows, in, tile_major ? w + c0 * in : w + c0, tile_major ? width : out, bias,
+                                     y, c0);
+  };
   int64_t c0 = c_begin;
   for (; c0 + kVectors * kLanes <= c_end; c0 += kVectors * kLanes)
-    rows_tile<kVectors>(x, rows, in, w, scales, out, bias, y, c0);
-  for (; c0 < c_end; c0 += kLanes) rows_tile<1>(x, rows, in, w, scales, out, bias, y, c0);
+    at(c0, kVectors * kLanes, std::integral_constant<int, kVectors>{});
+  for (; c0 < c_end; c0 += kLanes) at(c0, kLanes, std::integral_constant<int, 1>{});
 }
 
 // gpt-oss's gate on gate_up [2I] with gate and up interleaved (even, odd columns) -> act [I]:
@@ -124,26 +127,44 @@ void check(const torch::Tensor& t, const char* name, int64_t dims) {
               dims, " dimensions");
 }
 
+// row *= scales, elementwise over `width` (a multiple of 16).
+void scale_row(float* row, const float* scales, int64_t width) {
+  for (int64_t c = 0; c < width; c += kLanes) store(row + c, load(row + c) * load(scales + c));
+}
+
 // One expert's rows `routed` (token * k + slot, in token order): gate_up, the gate, down, the routing weight,
-// into slots[token * k + slot].
+// into slots[token * k + slot]. int8 experts: `gus` [H] and `dns` [I] are the power-of-two scales of their
+// matrices' input rows, which multiply the inputs instead of the weights: x_h s_h exactly, so each product
+// (x_h s_h) q_hc is the float32 original's x_h w_hc bit for bit, and the weights need no multiply (-15% of the
+// MoE's time against a scale per weight, round 20).
 template <typename W>
 void run_expert(const float* xp, const float* sp, const std::vector<int64_t>& routed, int64_t k, int64_t hidden,
                 int64_t inter, const W* gu, const float* gus, const float* gub, const W* dn, const float* dns,
                 const float* dnb, float alpha, float limit, float* slots) {
   const int64_t rows = static_cast<int64_t>(routed.size());
   std::vector<float> gate_up(rows * 2 * inter), gate(inter), up(inter), act(rows * inter);
+  std::vector<float> scaled(gus ? rows * hidden : 0);
   std::vector<const float*> x_rows, act_rows;
   std::vector<float*> gate_up_rows, out_rows;
   for (int64_t r = 0; r < rows; ++r) {
-    x_rows.push_back(xp + routed[r] / k * hidden);
+    const float* x = xp + routed[r] / k * hidden;
+    if (gus) {
+      std::copy(x, x + hidden, scaled.data() + r * hidden);
+      scale_row(scaled.data() + r * hidden, gus, hidden);
+      x = scaled.data() + r * hidden;
+    }
+    x_rows.push_back(x);
     gate_up_rows.push_back(gate_up.data() + r * 2 * inter);
     act_rows.push_back(act.data() + r * inter);
     out_rows.push_back(slots + routed[r] * hidden);
   }
-  linear_rows(x_rows.data(), rows, hidden, gu, gus, 2 * inter, gub, gate_up_rows.data(), 0, 2 * inter);
-  for (int64_t r = 0; r < rows; ++r)
+  const bool tile_major = std::is_same_v<W, int8_t>;  // int8 experts come stored tile by tile (`int8_rows`)
+  linear_rows(x_rows.data(), rows, hidden, gu, 2 * inter, gub, gate_up_rows.data(), 0, 2 * inter, tile_major);
+  for (int64_t r = 0; r < rows; ++r) {
     clamped_swiglu(gate_up_rows[r], inter, alpha, limit, gate.data(), up.data(), act.data() + r * inter);
-  linear_rows(act_rows.data(), rows, inter, dn, dns, hidden, dnb, out_rows.data(), 0, hidden);
+    if (dns) scale_row(act.data() + r * inter, dns, inter);
+  }
+  linear_rows(act_rows.data(), rows, inter, dn, hidden, dnb, out_rows.data(), 0, hidden, tile_major);
   for (int64_t r = 0; r < rows; ++r) {
     const f16v score = splat(sp[routed[r]]);
     for (int64_t c = 0; c < hidden; c += kLanes) store(out_rows[r] + c, load(out_rows[r] + c) * score);
@@ -164,8 +185,8 @@ void run_experts(const float* xp, const int64_t* ip, const float* sp, int64_t n,
     for (int64_t i = first; i < last; ++i) {
       const int64_t e = touched[i];
       run_expert(xp, sp, routed[e], k, hidden, inter, gu + e * hidden * 2 * inter,
-                 gus ? gus + e * hidden / kBlock * 2 * inter : nullptr, gub + e * 2 * inter, dn + e * inter * hidden,
-                 dns ? dns + e * inter / kBlock * hidden : nullptr, dnb + e * hidden, alpha, limit, slots);
+                 gus ? gus + e * hidden : nullptr, gub + e * 2 * inter, dn + e * inter * hidden,
+                 dns ? dns + e * inter : nullptr, dnb + e * hidden, alpha, limit, slots);
     }
   });
 }
@@ -235,8 +256,9 @@ std::vector<torch::Tensor> route(torch::Tensor x, torch::Tensor weight, torch::T
 }
 
 // x float32 [n, H]; indices int64 [n, k] and scores float32 [n, k] (the router's top-k and their softmax);
-// gate_up [E, H, 2I] and down [E, I, H], both float32, both bf16 or both int8 (then with their float32 scales,
-// [E, H / 32, 2I] and [E, I / 32, H]: each weight is its int8 times the scale of its block of 32 input rows);
+// gate_up [E, H, 2I] and down [E, I, H], both float32, both bf16 or both int8 (then stored tile by tile, see
+// `linear_rows`, with float32 scales [E, H] and [E, I]: each weight is its int8 times its input row's scale, a power
+// of two);
 // biases float32 [E, 2I], [E, H]. H and I multiples of 16 (of 32 for int8).
 // -> float32 [n, H]: sum over slots j of scores[t, j] * expert(indices[t, j], x[t]).
 torch::Tensor routed_experts(torch::Tensor x, torch::Tensor indices, torch::Tensor scores, torch::Tensor gate_up,
@@ -268,12 +290,11 @@ torch::Tensor routed_experts(torch::Tensor x, torch::Tensor indices, torch::Tens
   TORCH_CHECK(hidden % kLanes == 0 && inter % kLanes == 0, "hidden and intermediate sizes must be multiples of ",
               kLanes);
   if (int8) {
-    TORCH_CHECK(hidden % kBlock == 0 && inter % kBlock == 0, "int8 experts need sizes that are multiples of ", kBlock);
-    for (const auto& [t, name, rows, cols] : {std::tuple{&*gate_up_scales, "gate_up_scales", hidden, 2 * inter},
-                                              {&*down_scales, "down_scales", inter, hidden}}) {
-      check(*t, name, 3);
-      TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->size(0) == experts && t->size(1) == rows / kBlock &&
-                      t->size(2) == cols, name, " must be float32 [E, in / 32, out]");
+    for (const auto& [t, name, rows] : {std::tuple{&*gate_up_scales, "gate_up_scales", hidden},
+                                        {&*down_scales, "down_scales", inter}}) {
+      check(*t, name, 2);
+      TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->size(0) == experts && t->size(1) == rows, name,
+                  " must be float32 [E, in]");
     }
   }
   const int64_t* ip = indices.data_ptr<int64_t>();
@@ -429,10 +450,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch:
   }
   at::parallel_for(0, out / kLanes, 256 / kLanes, [&](int64_t first, int64_t last) {
     if (weight.scalar_type() == torch::kFloat32)
-      linear_rows(x_rows.data(), rows, in, weight.data_ptr<float>(), nullptr, out, bp, y_rows.data(), first * kLanes,
+      linear_rows(x_rows.data(), rows, in, weight.data_ptr<float>(), out, bp, y_rows.data(), first * kLanes,
                   last * kLanes);
     else
-      linear_rows(x_rows.data(), rows, in, reinterpret_cast<const uint16_t*>(weight.data_ptr()), nullptr, out, bp,
+      linear_rows(x_rows.data(), rows, in, reinterpret_cast<const uint16_t*>(weight.data_ptr()), out, bp,
                   y_rows.data(), first * kLanes, last * kLanes);
   });
   return y;

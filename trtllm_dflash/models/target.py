@@ -15,7 +15,7 @@ them exactly, `exact_dtype`), RMSNorm is one layer_norm kernel on CPU (`lean_rms
 q and k in one go, each step builds one additive mask per window kind for all layers,
 attention is one fused kernel on CPU, and the MoE multiplies only the experts a block routes to
 (`routed_experts`), reading them as float32 or, where the checkpoint's experts allow, from exact bf16
-copies (`compact_copy`), exact int8 blocks (`target_cpu.int8_blocks`: MXFP4 experts) or fbgemm's float16 ones
+copies (`compact_copy`), exact int8 rows (`target_cpu.int8_rows`: MXFP4 experts) or fbgemm's float16 ones
 (`half_copies`); the float32, bf16 and int8 ones through one call of the compiled CPU MoE kernel after the router
 where it builds (`plugins/target/cpu.py`), the float16 ones through a GEMM per routed expert. Which is fastest depends on the machine, so the runtime times them
 at start-up: `use_expert_storage`, `runtime/tuning.py`. Where the compiled CPU kernels build, a layer's
@@ -150,8 +150,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.Module, doubled:
     return x, rms_norm(x, norm, doubled)
 
 
-# [E, in, out], or per expert fbgemm's packed [out, in] (`half_copies`), or exact int8 blocks (`target_cpu.int8_blocks`)
-ExpertMatrices = torch.Tensor | list | target_cpu.BlockInt8
+# [E, in, out], or per expert fbgemm's packed [out, in] (`half_copies`), or exact int8 rows (`target_cpu.int8_rows`)
+ExpertMatrices = torch.Tensor | list | target_cpu.RowInt8
 
 
 def routed_experts(x: torch.Tensor, mlp: nn.Module, gate_up_proj: ExpertMatrices | None = None,
@@ -304,7 +304,7 @@ class GptOssTarget(nn.Module):
                      for layer in hf_model.model.layers]
         compact = [(compact_copy(gate_up), compact_copy(down)) for gate_up, down in originals]
         # where the MoE can read its experts from, by dtype name: the model's own, and bf16 / fbgemm float16 /
-        # int8-block copies where made
+        # int8-row copies where made
         self.expert_storages: dict[str, list[tuple[ExpertMatrices, ExpertMatrices]]] = {
             str(originals[0][0].dtype).removeprefix("torch."): originals}
         if any(c.dtype != o.dtype for pair, copies in zip(originals, compact) for o, c in zip(pair, copies)):
@@ -312,9 +312,9 @@ class GptOssTarget(nn.Module):
         half = [(half_copies(gate_up), half_copies(down)) for gate_up, down in originals]
         if all(copy is not None for pair in half for copy in pair):
             self.expert_storages["float16"] = half
-        blocks = [(target_cpu.int8_blocks(gate_up), target_cpu.int8_blocks(down)) for gate_up, down in originals]
-        if all(copy is not None for pair in blocks for copy in pair):
-            self.expert_storages["int8"] = blocks
+        rows = [(target_cpu.int8_rows(gate_up), target_cpu.int8_rows(down)) for gate_up, down in originals]
+        if all(copy is not None for pair in rows for copy in pair):
+            self.expert_storages["int8"] = rows
         self.use_expert_storage(next(iter(self.expert_storages)))
         self.use_cpu_kernels = True  # False: attention, MoE and add + RMSNorms in torch even where compiled kernels serve
         head = hf_model.lm_head
@@ -325,7 +325,7 @@ class GptOssTarget(nn.Module):
 
     def use_expert_storage(self, name: str) -> None:
         """Read the experts from `expert_storages[name]` from now on: the same numbers from the bf16 copies and the
-        int8 blocks, the same to float32 rounding from the float16 ones."""
+        int8 rows, the same to float32 rounding from the float16 ones."""
         self.expert_weights = self.expert_storages[name]  # per layer (gate_up, down)
         self.expert_storage = name
 
