@@ -355,10 +355,11 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
 @click.option("--expert-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16", "int8"]),
               help="How the reference runtime's MoE reads the target's experts: as --dtype, or (CPU, float32 experts "
                    "that bf16 holds exactly, as MXFP4 checkpoints' are) from bf16 copies cast back per GEMM (the same "
-                   "numbers), from int8 copies times a power of two per input row (MXFP4 experts whose block scales lie "
-                   "within a few octaves along a row, as the embedded target's: the same numbers, half bf16's bytes) or from float16 copies for fbgemm's GEMM, float32 math (x86; the "
-                   "same to float32 rounding). auto: the fastest, timed at start-up (it depends on the machine) "
-                   "[default: auto; reference backend only].")
+                   "numbers), from int8 copies times a power of two per input row (MXFP4 experts whose block scales "
+                   "lie within a few octaves along a row, as the embedded target's: the same numbers, half bf16's "
+                   "bytes) or from float16 copies for fbgemm's GEMM, float32 math (x86; the same to float32 rounding). "
+                   "auto: the fastest, timed at start-up (it depends on the machine) [default: auto; reference backend "
+                   "only].")
 @click.option("--backend", type=click.Choice(["auto", "trtllm", "reference"]), default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (reference backend).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",

@@ -40,21 +40,16 @@ def tile_major(matrices: torch.Tensor) -> torch.Tensor:
     """[E, rows, columns] -> the same shape holding each matrix tile by tile (`tile_widths`), every tile's rows
     contiguous: the MoE kernel then streams a tile instead of reading a short run every `columns` entries."""
     experts, rows, columns = matrices.shape
-    tiles, start = [], 0
-    for width in tile_widths(columns):
-        tiles.append(matrices[:, :, start:start + width].reshape(experts, rows * width))
-        start += width
-    return torch.cat(tiles, dim=1).view(experts, rows, columns)
+    tiles = matrices.split(tile_widths(columns), dim=2)
+    return torch.cat([tile.reshape(experts, -1) for tile in tiles], dim=1).view(experts, rows, columns)
 
 
 def untiled(matrix: torch.Tensor) -> torch.Tensor:
     """One matrix [rows, columns] of `tile_major`'s output in its plain layout."""
     rows, columns = matrix.shape
-    flat, tiles, start = matrix.reshape(-1), [], 0
-    for width in tile_widths(columns):
-        tiles.append(flat[start:start + rows * width].view(rows, width))
-        start += rows * width
-    return torch.cat(tiles, dim=1)
+    widths = tile_widths(columns)
+    tiles = matrix.reshape(-1).split([rows * width for width in widths])
+    return torch.cat([tile.view(rows, width) for tile, width in zip(tiles, widths)], dim=1)
 
 
 @dataclass(frozen=True)

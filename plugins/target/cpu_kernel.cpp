@@ -127,9 +127,9 @@ void check(const torch::Tensor& t, const char* name, int64_t dims) {
               dims, " dimensions");
 }
 
-// row *= scales, elementwise over `width` (a multiple of 16).
-void scale_row(float* row, const float* scales, int64_t width) {
-  for (int64_t c = 0; c < width; c += kLanes) store(row + c, load(row + c) * load(scales + c));
+// out = row * scales, elementwise over `width` (a multiple of 16); out may be row.
+void scale_row(const float* row, const float* scales, int64_t width, float* out) {
+  for (int64_t c = 0; c < width; c += kLanes) store(out + c, load(row + c) * load(scales + c));
 }
 
 // One expert's rows `routed` (token * k + slot, in token order): gate_up, the gate, down, the routing weight,
@@ -149,8 +149,7 @@ void run_expert(const float* xp, const float* sp, const std::vector<int64_t>& ro
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = xp + routed[r] / k * hidden;
     if (gus) {
-      std::copy(x, x + hidden, scaled.data() + r * hidden);
-      scale_row(scaled.data() + r * hidden, gus, hidden);
+      scale_row(x, gus, hidden, scaled.data() + r * hidden);
       x = scaled.data() + r * hidden;
     }
     x_rows.push_back(x);
@@ -162,7 +161,7 @@ void run_expert(const float* xp, const float* sp, const std::vector<int64_t>& ro
   linear_rows(x_rows.data(), rows, hidden, gu, 2 * inter, gub, gate_up_rows.data(), 0, 2 * inter, tile_major);
   for (int64_t r = 0; r < rows; ++r) {
     clamped_swiglu(gate_up_rows[r], inter, alpha, limit, gate.data(), up.data(), act.data() + r * inter);
-    if (dns) scale_row(act.data() + r * inter, dns, inter);
+    if (dns) scale_row(act.data() + r * inter, dns, inter, act.data() + r * inter);
   }
   linear_rows(act_rows.data(), rows, inter, dn, hidden, dnb, out_rows.data(), 0, hidden, tile_major);
   for (int64_t r = 0; r < rows; ++r) {
@@ -259,7 +258,7 @@ std::vector<torch::Tensor> route(torch::Tensor x, torch::Tensor weight, torch::T
 // gate_up [E, H, 2I] and down [E, I, H], both float32, both bf16 or both int8 (then stored tile by tile, see
 // `linear_rows`, with float32 scales [E, H] and [E, I]: each weight is its int8 times its input row's scale, a power
 // of two);
-// biases float32 [E, 2I], [E, H]. H and I multiples of 16 (of 32 for int8).
+// biases float32 [E, 2I], [E, H]. H and I multiples of 16.
 // -> float32 [n, H]: sum over slots j of scores[t, j] * expert(indices[t, j], x[t]).
 torch::Tensor routed_experts(torch::Tensor x, torch::Tensor indices, torch::Tensor scores, torch::Tensor gate_up,
                              torch::Tensor gate_up_bias, torch::Tensor down, torch::Tensor down_bias, double alpha,
