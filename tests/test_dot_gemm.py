@@ -221,3 +221,20 @@ def test_the_exact_greedy_head_refuses_what_it_does_not_take():
         head(torch.randn(1, 3, 64), torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(RuntimeError, match=r"weight must be contiguous float32 \[V, H\]"):
         head(torch.randn(1, 3, 32), torch.zeros(1, 2, dtype=torch.long))
+
+
+@needs_int8
+def test_an_int8_drafter_head_reads_the_bytes_of_the_targets_exact_greedy_head():
+    """One int8 packing of the LM head, not two: the drafter's logits read what the verify has just read."""
+    from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
+    from trtllm_dflash.models.target import GptOssTarget
+    from trtllm_dflash.runtime.proposers import DFlashProposer
+
+    config = tiny_target_config(vocab_size=272)  # whole groups of 16 columns: the int8 head serves
+    target = GptOssTarget(random_target(config))
+    assert target.greedy_head is not None
+    proposer = DFlashProposer(random_drafter(drafter_config_for(config)), target, matmul_dtype=torch.int8)
+    assert proposer.head.weight.data_ptr() == target.greedy_head.packed.data_ptr()
+    own = CastLinear(target.hf.lm_head.weight, target.hf.lm_head.bias, torch.int8)
+    hidden = torch.randn(2, 7, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(proposer.head(hidden), own(hidden))

@@ -53,6 +53,7 @@ CASES = [  # (lens, block, Hq, Hkv, D, window)
     ([40, 0, 23], 4, 4, 2, 16, 6),  # ragged, an empty context, a window that cuts slot by slot
     ([7, 30], 5, 6, 2, 32, None),  # 15 rows a KV head: the tile's padding
     ([77, 9], 10, 8, 1, 128, 64),  # head_dim 128, one KV head
+    ([333, 65], 8, 4, 2, 64, 100),  # values summed in tiles of 32 keys: a ragged last tile, a window across tiles
 ]
 
 

@@ -159,15 +159,29 @@ inline torch::Tensor draft_block_attention(torch::Tensor q, torch::Tensor k_blk,
         }
         store(total.data() + t, sum);
       }
-      // out^T [D][rows] += v_p^T * weights_p: each key updates D independent accumulators (in L1)
+      // out^T [D][rows] = sum over keys of v_p^T * weights_p: per tile of 32 keys (their values stay in L1), eight
+      // dimensions at a time in registers (accumulators in L1 cost a store per FMA, which bounds the loop)
       std::fill(out_t.begin(), out_t.end(), 0.f);
-      for (int64_t p = 0; p < seen; ++p) {
-        const float* value = p < context ? cv + p * ctx_v.stride(2)
-                                         : vp + (i * block + p - context) * v_blk.stride(0) + g * v_blk.stride(1);
-        for (int64_t t = 0; t < width; t += kLanes) {
-          const f16v w = load(scores.data() + p * width + t);
-          for (int64_t e = 0; e < d; ++e) store(out_t.data() + e * width + t, load(out_t.data() + e * width + t) + w * value[e]);
-        }
+      for (int64_t p0 = 0; p0 < seen; p0 += 32) {
+        const int64_t p1 = std::min<int64_t>(seen, p0 + 32);
+        const float* rows_v[32];
+        for (int64_t p = p0; p < p1; ++p)
+          rows_v[p - p0] = p < context ? cv + p * ctx_v.stride(2)
+                                       : vp + (i * block + p - context) * v_blk.stride(0) + g * v_blk.stride(1);
+        for (int64_t t = 0; t < width; t += kLanes)
+          for (int64_t e = 0; e < d; e += 8) {
+            float* o = out_t.data() + e * width + t;
+            f16v a0 = load(o), a1 = load(o + width), a2 = load(o + 2 * width), a3 = load(o + 3 * width),
+                 a4 = load(o + 4 * width), a5 = load(o + 5 * width), a6 = load(o + 6 * width), a7 = load(o + 7 * width);
+            for (int64_t p = p0; p < p1; ++p) {
+              const float* value = rows_v[p - p0] + e;
+              const f16v w = load(scores.data() + p * width + t);
+              a0 += w * value[0]; a1 += w * value[1]; a2 += w * value[2]; a3 += w * value[3];
+              a4 += w * value[4]; a5 += w * value[5]; a6 += w * value[6]; a7 += w * value[7];
+            }
+            store(o, a0); store(o + width, a1); store(o + 2 * width, a2); store(o + 3 * width, a3);
+            store(o + 4 * width, a4); store(o + 5 * width, a5); store(o + 6 * width, a6); store(o + 7 * width, a7);
+          }
       }
       for (int64_t h = 0; h < group; ++h)
         for (int64_t j = 0; j < block; ++j) {

@@ -161,19 +161,22 @@ class CastLinear:
     [out, in] view of a copy stored [in, out], which `F.linear` transposes back for MKL."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 few_rows: "CastLinear | None" = None):
+                 few_rows: "CastLinear | None" = None,
+                 dot_packed: tuple[torch.Tensor, torch.Tensor | None] | None = None):
         """`few_rows`: the GEMM of the same weight that serves a packed GEMM's calls of fewer than
         `NARROW_MIN_ROWS` rows; None: a copy made here, in fbgemm's float16 where it runs, else in the
         weight's own dtype. Pass the one the model already runs (the drafter's logits pass the target's
         LM head: a verify has just read it into cache, where a copy of its own would be read from memory;
-        7% of DFlash's speed-up, round 7)."""
+        7% of DFlash's speed-up, round 7). `dot_packed`: for the compiled dot GEMM, `dot_pack(weight, dtype)`'s
+        answer already held elsewhere, used instead of packing a copy (the same reasoning: the target's exact
+        greedy head holds the LM head's int8 packing)."""
         self.dtype, self.out_features = dtype, weight.shape[0]
         self.dot = dtype in draft_cpu.DOT_DTYPES and draft_cpu.dot_serves(weight, dtype)
         self.scales = None  # an int8 weight's columns' scales
         if self.dot:  # the compiled AVX512 bf16 or int8 GEMM, at any row count (the module docstring)
             self.packed = self.half = False
             self.few_rows = None
-            self.weight, self.scales = draft_cpu.dot_pack(weight, dtype)
+            self.weight, self.scales = dot_packed or draft_cpu.dot_pack(weight, dtype)
             self.bias = None if bias is None else bias.detach().float().contiguous()
             return
         if dtype == torch.int8:

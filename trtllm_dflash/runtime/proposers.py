@@ -77,7 +77,11 @@ class DFlashProposer:
             head = target.hf.lm_head
             dtype = gemm_dtype(head.weight, matmul_dtype)
             if dtype != target.head.dtype:
-                self.head = CastLinear(head.weight, head.bias, dtype, few_rows=target.head)
+                # an int8 head reads the very bytes the verify's exact greedy head has just read (3% of a drafter
+                # step inside the loop, round 21)
+                shared = target.greedy_head if dtype == torch.int8 else None
+                self.head = CastLinear(head.weight, head.bias, dtype, few_rows=target.head,
+                                       dot_packed=None if shared is None else (shared.packed, shared.scales))
         self.block_size = block_size or cfg.block_size
         self.num_drafts = self.block_size - 1
         self.keep_confidence = policy is not None  # the adaptive policy sizes a drafted block by it
