@@ -231,9 +231,10 @@ def test_greedy_drafts_and_their_confidence_match_the_torch_path():
 @pytest.mark.parametrize("batch,window,greedy,dtype", [
     (1, None, True, torch.bfloat16), (1, 10, False, torch.bfloat16), (3, None, True, torch.bfloat16),
     (3, 10, False, torch.bfloat16), (1, None, True, torch.int8), (3, 10, False, torch.int8)])
-def test_the_whole_compiled_step_drafts_what_the_per_call_path_drafts(batch, window, greedy, dtype):
+def test_the_whole_compiled_step_drafts_what_the_per_call_path_drafts(batch, window, greedy, dtype, monkeypatch):
     """A drafter step in one compiled call (`WholeDraftStep`, every GEMM the bf16 or int8 dot kernel) from the same
-    state as the per-call compiled path, over steps that commit 1-4 tokens and a window that cuts: the same drafts,
+    state as the per-call compiled path, over steps that commit 1-4 tokens, steps that only write the committed
+    tokens' context (as a suffix-drafted step does; the prompts' too) and a window that cuts: the same drafts,
     confidences and sampling distributions, and the same context K/V in the arena."""
     if cpu.dot_kernel(dtype) is None:
         pytest.skip(f"no {dtype} dot GEMM here")
@@ -255,17 +256,21 @@ def test_the_whole_compiled_step_drafts_what_the_per_call_path_drafts(batch, win
         proposer.keep_confidence = True
         _, features = target(prompts, torch.arange(12).expand(batch, -1), target.new_cache(batch, 60),
                              proposer.feature_layers)
-        proposer.start(features, lens, 60)
-        assert proposer.whole_step is not None
-        if not whole:
-            proposer.whole_step = None
+        with monkeypatch.context() as patch:
+            if not whole:  # the prompts' context through the per-call path too
+                patch.setattr(drafter, "whole_step", lambda *args: None)
+            proposer.start(features, lens, 60)
+        assert (proposer.whole_step is not None) == whole
         gen, steps, positions = torch.Generator().manual_seed(8), [], lens.clone()
         for step, kept in enumerate(accepted):
             anchors = torch.randint(2, 250, (batch,), generator=gen)
             drafts, q = proposer.draft(anchors, positions, 3, params, torch.Generator().manual_seed(step))
             steps.append((drafts, q, proposer.confidence))
-            proposer.commit(torch.randn(batch, 4, features.shape[-1], generator=gen), torch.tensor(kept))
-            positions = positions + torch.tensor(kept) + 1
+            for _ in range(2):  # two steps' commits written alone, as suffix-drafted steps write them: the next
+                # draft then has no committed rows of its own
+                proposer.commit(torch.randn(batch, 4, features.shape[-1], generator=gen), torch.tensor(kept))
+                positions = positions + torch.tensor(kept) + 1
+            proposer.write_pending_context()
         return steps, proposer.cache
 
     (whole_steps, whole_cache), (steps, cache) = run(True), run(False)

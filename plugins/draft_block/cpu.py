@@ -160,10 +160,18 @@ class WholeDraftStep:
         """tokens [b, B] (anchor, mask ids), features [b, n, F] at arena `positions` [b, n] (or a lone request's int
         first position), the `KVArena`, context_lens [b] counting them -> logits [b, B - 1, V] and, when `greedy`,
         (drafts, their softmax peak) as `greedy_peak_cpu` gives them."""
-        tensor = None if isinstance(positions, int) else positions
-        out = self.step.step(tokens, self.embedding, features, tensor, positions if tensor is None else 0, cache.keys,
-                             cache.values, context_lens, self.rope, greedy)
+        out = self.step.step(tokens, self.embedding, features, *arena_positions(positions), cache.keys, cache.values,
+                             context_lens, self.rope, greedy)
         return out[0], (out[1], out[2]) if greedy else None
+
+    def write(self, features: torch.Tensor, positions: torch.Tensor | int, cache) -> None:
+        """Only the committed tokens' context K/V, as `__call__` writes them (a step whose drafts come from elsewhere)."""
+        self.step.write(features, *arena_positions(positions), cache.keys, cache.values, self.rope)
+
+
+def arena_positions(positions: torch.Tensor | int) -> tuple[torch.Tensor | None, int]:
+    """`DraftStep`'s two ways of placing committed rows: positions [b, n], or (None, a lone request's first one)."""
+    return (None, positions) if isinstance(positions, int) else (positions, 0)
 
 
 class ExactGreedyHead:

@@ -94,16 +94,11 @@ class DraftStep {
     torch::Tensor qkv;  // this layer's projection [b, B, heads, D]: q heads first, its k heads at k_at, v at v_at
     int64_t k_at = hq_, v_at = hq_ + hkv_;
     if (n > 0) {  // the first layer's GEMM projects the context rows' K/V of every layer too (`first_layer_with_context`)
-      const auto context = rms_norm(gemm(fc_, features), hidden_norm_, eps_);
-      const auto out = gemm(first_qkv_, torch::cat({context, h.view({batch, width, hidden})}, 1))
+      const auto out = gemm(first_qkv_, torch::cat({context_rows(features), h.view({batch, width, hidden})}, 1))
                            .view({batch, n + width, -1, d_});
-      const int64_t stacked = layers * hkv_;
-      const auto committed = out.narrow(1, 0, n);
-      const auto committed_rope = context_rope(rope, positions, start, batch, n);
-      write_context_kv(committed.narrow(2, hq_, stacked), committed.narrow(2, hq_ + stacked, stacked), context_k_norm_,
-                       committed_rope.select(2, 0), committed_rope.select(2, 1), keys, values, positions, start, eps_);
+      write_committed(out.narrow(1, 0, n), positions, start, keys, values, rope);
       qkv = out.narrow(1, n, width);
-      v_at = hq_ + stacked;
+      v_at = hq_ + layers * hkv_;
     } else {
       qkv = gemm(qkv_[0], h).view({batch, width, -1, d_});
     }
@@ -128,7 +123,32 @@ class DraftStep {
     return {logits, drafts[0], drafts[1]};
   }
 
+  // Only the committed tokens' context K/V (a step whose drafts come from elsewhere): `step`'s arguments of the same
+  // names, through the same first GEMM, so the arena holds what a drafter step would have written.
+  void write(const torch::Tensor& features, const c10::optional<torch::Tensor>& positions, int64_t start,
+             const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& rope) const {
+    TORCH_CHECK(features.dim() == 3 && features.scalar_type() == torch::kFloat32, "features must be float32 [b, n, F]");
+    if (features.size(1) == 0) return;
+    write_committed(gemm(first_qkv_, context_rows(features)).view({features.size(0), features.size(1), -1, d_}),
+                    positions, start, keys, values, rope);
+  }
+
  private:
+  // fc, then hidden_norm: the committed rows' input to every layer's context K/V.
+  torch::Tensor context_rows(const torch::Tensor& features) const {
+    return rms_norm(gemm(fc_, features), hidden_norm_, eps_);
+  }
+
+  // The first GEMM's output for committed rows [b, n, heads, D] (q heads first, then every layer's k heads, then
+  // their v heads) -> each layer's normed, rotated K and V in the arena.
+  void write_committed(const torch::Tensor& committed, const c10::optional<torch::Tensor>& positions, int64_t start,
+                       const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& rope) const {
+    const int64_t stacked = static_cast<int64_t>(qkv_.size()) * hkv_;
+    const auto committed_rope = context_rope(rope, positions, start, committed.size(0), committed.size(1));
+    write_context_kv(committed.narrow(2, hq_, stacked), committed.narrow(2, hq_ + stacked, stacked), context_k_norm_,
+                     committed_rope.select(2, 0), committed_rope.select(2, 1), keys, values, positions, start, eps_);
+  }
+
   PackedLinear fc_, first_qkv_;
   std::vector<PackedLinear> qkv_, o_proj_, gate_up_, down_;
   PackedLinear head_;
@@ -159,5 +179,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<PackedLinear>, std::vector<PackedLinear>, PackedLinear, torch::Tensor, torch::Tensor,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, torch::Tensor, int64_t, int64_t, int64_t, double, double, int64_t>())
-      .def("step", &DraftStep::step, "one drafter step: logits of slots 1..B-1 (and greedy drafts with their peak)");
+      .def("step", &DraftStep::step, "one drafter step: logits of slots 1..B-1 (and greedy drafts with their peak)")
+      .def("write", &DraftStep::write, "the committed tokens' context K/V only");
 }

@@ -129,7 +129,11 @@ class DFlashProposer:
         drafts come from elsewhere, so the draft cache never falls behind (a drafter step writes them in its
         forward)."""
         features, positions, _ = self.take_pending()
-        if features.shape[1]:
+        if not features.shape[1]:
+            return
+        if self.whole_step is not None:  # one compiled call (~20 us) instead of the lean path's ~6 (~55 us; round 21)
+            self.whole_step.write(features, positions, self.cache)
+        else:
             self.drafter.write_context(features, positions, self.cache, self.matmul_dtype, self.plan)
 
     def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
