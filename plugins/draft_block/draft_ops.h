@@ -42,6 +42,7 @@ void prologue(const float* x, int64_t d, const float* w, const float* cos, const
 }
 
 constexpr int64_t kKeys = 8;
+constexpr int64_t kValueTile = 32;  // keys whose value rows one pass of the weighted sum keeps in L1
 
 void check(const torch::Tensor& t, const char* name, int64_t dims) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be a float32 CPU tensor");
@@ -159,12 +160,12 @@ inline torch::Tensor draft_block_attention(torch::Tensor q, torch::Tensor k_blk,
         }
         store(total.data() + t, sum);
       }
-      // out^T [D][rows] = sum over keys of v_p^T * weights_p: per tile of 32 keys (their values stay in L1), eight
+      // out^T [D][rows] = sum over keys of v_p^T * weights_p: per tile of kValueTile keys, eight
       // dimensions at a time in registers (accumulators in L1 cost a store per FMA, which bounds the loop)
       std::fill(out_t.begin(), out_t.end(), 0.f);
-      for (int64_t p0 = 0; p0 < seen; p0 += 32) {
-        const int64_t p1 = std::min<int64_t>(seen, p0 + 32);
-        const float* rows_v[32];
+      for (int64_t p0 = 0; p0 < seen; p0 += kValueTile) {
+        const int64_t p1 = std::min<int64_t>(seen, p0 + kValueTile);
+        const float* rows_v[kValueTile];
         for (int64_t p = p0; p < p1; ++p)
           rows_v[p - p0] = p < context ? cv + p * ctx_v.stride(2)
                                        : vp + (i * block + p - context) * v_blk.stride(0) + g * v_blk.stride(1);
