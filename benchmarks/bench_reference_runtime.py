@@ -46,7 +46,8 @@ from trtllm_dflash.models.linear import DRAFTER_GEMM_DTYPES, drafter_gemm_dtype
 from trtllm_dflash.models.random_pair import drafter_config_for, save_random_drafter, save_random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
-from trtllm_dflash.runtime.draft_length import SOURCE_PRIORS, AdaptiveDraftLength, format_costs, measure_step_costs
+from trtllm_dflash.runtime.draft_length import (KEY_EDGES, SOURCE_PRIORS, AdaptiveDraftLength, format_costs,
+                                               measure_step_costs)
 from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer, NGramProposer, SuffixDFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
@@ -85,6 +86,9 @@ def main() -> None:
                         help="add dflash-sa rows whose suffix drafts run up to this many tokens, and n-gram with as many")
     parser.add_argument("--suffix-priors", default="",
                         help="with --adaptive: the widest adaptive dflash-sa row also at these suffix priors (comma-separated)")
+    parser.add_argument("--suffix-key-edges", default="",
+                        help="with --adaptive: the widest adaptive dflash-sa row also with these buckets of match lengths "
+                             "(comma-separated; each edges joined by ':', e.g. 4:16, or none for one estimate)")
     parser.add_argument("--expert-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="as dflash-run's option of that name")
     parser.add_argument("--drafter-gemm-dtype", choices=DRAFTER_GEMM_DTYPES, default="auto",
@@ -168,6 +172,9 @@ def main() -> None:
             rows = [(name + suffix, AdaptiveDraftLength(row_costs), row_most) for name, row_costs, row_most in hybrids]
             rows += [(f"{stem}-p{prior:g}{suffix}", AdaptiveDraftLength(table, priors={**SOURCE_PRIORS, "suffix": prior}),
                       most) for prior in (float(x) for x in args.suffix_priors.split(",") if x)]
+            for edges in (x for x in args.suffix_key_edges.split(",") if x):
+                key_edges = {**KEY_EDGES, "suffix": () if edges == "none" else tuple(int(e) for e in edges.split(":"))}
+                rows.append((f"{stem}-e{edges}{suffix}", AdaptiveDraftLength(table, key_edges=key_edges), most))
             for name, policy, row_most in rows:
                 policies[name] = policy
                 runtimes[name] = ReferenceRuntime(target, SuffixDFlashProposer(

@@ -352,12 +352,14 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
                    "GEMM runs, else bfloat16 where bf16 GEMMs are native (CUDA, a CPU with AVX512-BF16), else "
                    "float16 where fbgemm runs (x86 CPUs), else --dtype [default: auto; reference backend, dflash and "
                    "dflash-sa only].")
-@click.option("--expert-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16", "int8"]),
+@click.option("--expert-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16", "int8", "amx"]),
               help="How the reference runtime's MoE reads the target's experts: as --dtype, or (CPU, float32 experts "
                    "that bf16 holds exactly, as MXFP4 checkpoints' are) from bf16 copies cast back per GEMM (the same "
                    "numbers), from int8 copies times a power of two per input row (MXFP4 experts whose block scales "
                    "lie within a few octaves along a row, as the embedded target's: the same numbers, half bf16's "
-                   "bytes) or from float16 copies for fbgemm's GEMM, float32 math (x86; the same to float32 rounding). "
+                   "bytes), from float16 copies for fbgemm's GEMM, float32 math (x86; the same to float32 rounding) "
+                   "or from the bf16 values as AMX tiles, each input split into three bf16 parts (Intel CPUs with "
+                   "AMX; the same to float32 rounding). "
                    "auto: the fastest, timed at start-up (it depends on the machine) [default: auto; reference backend "
                    "only].")
 @click.option("--backend", type=click.Choice(["auto", "trtllm", "reference"]), default="auto", show_default=True)

@@ -12,6 +12,7 @@ from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter,
 from trtllm_dflash.models.linear import fbgemm_fp16
 from trtllm_dflash.models.target import (GptOssTarget, attention_bias, causal_mask, compact_copy, fused_attention,
                                          half_copies, routed_experts, sink_attention)
+from trtllm_dflash.plugins.target.cpu import amx_available
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -65,15 +66,17 @@ def test_experts_read_from_exact_copies_give_the_same_numbers():
 
 
 def test_the_embedded_targets_mxfp4_experts_read_from_each_storage_give_the_same_logits():
-    """MXFP4 experts: float32 originals, exact bf16 copies, (where fbgemm runs) float16 ones and exact int8 rows,
-    switchable; the same logits from the bf16 copies and the int8 rows, the same to float32 rounding and the same
-    greedy tokens from the float16 ones; a target with random float32 experts has one storage."""
+    """MXFP4 experts: float32 originals, exact bf16 copies, (where fbgemm runs) float16 ones, exact int8 rows and
+    (where AMX runs) AMX tiles, switchable; the same logits from the bf16 copies and the int8 rows, the same to
+    float32 rounding and the same greedy tokens from the float16 ones and the AMX tiles; a target with random float32
+    experts has one storage."""
     from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
     from trtllm_dflash.embedded import pair_paths
 
     target = GptOssTarget(load_hf_gpt_oss(pair_paths()[0]))
     assert target.hf.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
     expected = ["float32", "bfloat16"] + (["float16"] if fbgemm_fp16() else []) + ["int8"]
+    expected += ["amx"] if amx_available() else []
     assert list(target.expert_storages) == expected and target.expert_storage == "float32"
     # its bf16 LM head and attention projections fit float16
     assert all(linear.half == fbgemm_fp16() for linear in [*target.qkv, *target.o_proj, target.head])
@@ -86,9 +89,9 @@ def test_the_embedded_targets_mxfp4_experts_read_from_each_storage_give_the_same
         logits[storage], _ = target(tokens, positions, target.new_cache(2, 12), [])
     assert target.expert_storage == "float32"
     assert torch.equal(logits["bfloat16"], logits["float32"]) and torch.equal(logits["int8"], logits["float32"])
-    if "float16" in logits:
-        torch.testing.assert_close(logits["float16"], logits["float32"], rtol=1e-5, atol=1e-4)
-        assert torch.equal(logits["float16"].argmax(-1), logits["float32"].argmax(-1))
+    for rounded in {"float16", "amx"} & set(logits):
+        torch.testing.assert_close(logits[rounded], logits["float32"], rtol=1e-5, atol=1e-4)
+        assert torch.equal(logits[rounded].argmax(-1), logits["float32"].argmax(-1))
     assert list(GptOssTarget(random_target(tiny_target_config())).expert_storages) == ["float32"]
 
 

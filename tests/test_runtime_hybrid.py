@@ -18,7 +18,7 @@ from trtllm_dflash.errors import InputError
 from trtllm_dflash.models import linear
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
-from trtllm_dflash.runtime.draft_length import (SOURCE_PRIORS, AcceptanceEstimate, AdaptiveDraftLength,
+from trtllm_dflash.runtime.draft_length import (KEY_EDGES, SOURCE_PRIORS, AcceptanceEstimate, AdaptiveDraftLength,
                                                ConfidenceCalibration, measure_step_costs)
 from trtllm_dflash.runtime.proposers import DFlashProposer, SuffixDFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime, prefill
@@ -344,7 +344,37 @@ def test_truncation_verifies_what_the_drafts_confidence_pays_for():
     for _ in range(30):
         policy.observe("suffix", 4, [4])  # suffix drafts that always hold
     policy.choose("neural", 4)
-    assert policy.truncate([[0.99, 0.05, 0.05, 0.05]], 4, suffix_rows=3) == 4  # the suffix rows carry the block
+    assert policy.truncate([[0.99, 0.05, 0.05, 0.05]], 4, suffix_keys=[2, 3, 2]) == 4  # the suffix rows carry it
+
+
+def test_each_bucket_of_match_lengths_learns_its_own_acceptance():
+    """Suffix drafts after short matches that fail and after long ones that hold, in one step: each bucket of
+    KEY_EDGES learns its own, so a step of short matches stops early while one of long matches verifies every
+    draft, and a mixed step weighs both."""
+    costs = {"neural": [1.0, 2.0, 2.1], "suffix": [1.0 + 0.1 * k for k in range(8)]}
+    policy = AdaptiveDraftLength(costs)
+    assert KEY_EDGES["suffix"] == (4, 16) and policy.buckets("suffix", [2, 3, 4, 15, 16, 90]) == [0, 0, 1, 1, 2, 2]
+    for _ in range(30):
+        policy.observe("suffix", 7, [0, 7, 7], keys=[2, 20, 40])
+    assert policy.choose("suffix", 7, keys=[2]) == 0
+    assert policy.choose("suffix", 7, keys=[20]) == 7 == policy.choose("suffix", 7, keys=[2, 30])
+    assert policy.estimates["suffix"][1].trials == [0.0] * 7  # the middle bucket saw nothing: still at its prior
+    assert policy.choose("suffix", 7, keys=[8]) == 7 and policy.choose("suffix", 7) == 0  # no keys: the first bucket
+    policy.choose("neural", 2)
+    assert policy.truncate([[0.05, 0.05]], 2, suffix_keys=[2]) == 1 < policy.truncate([[0.05, 0.05]], 2, [20])
+
+
+def test_idle_steps_count_per_bucket():
+    """A bucket whose drafts never hold goes plain and is refreshed after `explore_every` of its own idle steps;
+    steps of another bucket in between neither refresh it nor reset its count."""
+    policy = AdaptiveDraftLength({"suffix": [1.0, 1.3, 1.4]}, priors={"suffix": 0.85})
+    for _ in range(10):
+        policy.observe("suffix", 2, [0], keys=[2])
+    chosen = []
+    for _ in range(policy.explore_every):
+        chosen.append(policy.choose("suffix", 2, keys=[2]))
+        assert policy.choose("suffix", 2, keys=[30]) == 2  # the untried long bucket drafts every time
+    assert chosen == [0] * 7 + [2]
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])

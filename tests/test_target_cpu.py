@@ -276,3 +276,76 @@ def test_attention_kernel_refuses_positions_outside_the_arena():
     with pytest.raises(RuntimeError, match="position 8 lies outside the arena"):
         cpu.sink_attention_cpu(qkv, table[None, :1, 0], table[None, :1, 1], arena.k[0], arena.v[0],
                                torch.tensor([[8]]), None, sinks, 0.25)
+
+
+amx = pytest.mark.skipif(not cpu.amx_available(), reason="no AMX-BF16 on this CPU (or the kernel's build lacks it)")
+
+
+def bf16_exact(*shape: int, seed: int, std: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * std).bfloat16().float()
+
+
+@amx
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), inputs=st.sampled_from([32, 64, 256]), outputs=st.sampled_from([16, 48, 80, 512]),
+       with_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_amx_linear_equals_the_float64_product_to_float32_rounding(rows, inputs, outputs, with_bias, seed):
+    """Inputs split into three bf16 parts: every output within float32 summation rounding of the float64 product
+    (over row counts that fill 16-row tiles in every way and column counts that fill 3-tile groups in every way),
+    and each row the same bits as that row alone (a step's numbers do not depend on its width) and on two threads."""
+    weight, bias = bf16_exact(inputs, outputs, seed=seed), torch.randn(outputs) if with_bias else None
+    x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(seed + 1)) * 2.0 ** (seed % 9 - 4)
+    tiles = cpu.amx_tiles(weight)
+    got = cpu.linear_cpu(x, tiles, bias)
+    expected = x.double() @ weight.double() + (0 if bias is None else bias.double())
+    bound = (x.double().abs() @ weight.double().abs() + (0 if bias is None else bias.double().abs())) * inputs * 2.0**-23
+    assert got.shape == (rows, outputs) and bool(((got.double() - expected).abs() <= bound + 1e-30).all())
+    assert torch.equal(cpu.linear_cpu(x[-1:].contiguous(), tiles, bias), got[-1:])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(cpu.linear_cpu(x, tiles, bias), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@amx
+def test_amx_tiles_hold_the_matrices_and_refuse_what_they_cannot():
+    """Each matrix comes back from the tile layout exactly; random float32 (not bf16), inputs not a multiple of 32 and
+    outputs not a multiple of 16 are refused."""
+    experts = bf16_exact(3, 64, 48, seed=0)
+    tiles = cpu.amx_tiles(experts)
+    assert tiles.values.dtype == torch.bfloat16 and tiles.values.shape == experts.shape
+    assert all(torch.equal(tiles[e], experts[e]) for e in range(3))
+    assert cpu.amx_tiles(torch.randn(64, 48)) is None
+    assert cpu.amx_tiles(bf16_exact(48, 48, seed=1)) is None and cpu.amx_tiles(bf16_exact(64, 40, seed=1)) is None
+
+
+@amx
+@settings(max_examples=30, deadline=None)
+@given(tokens=st.integers(1, 20), experts=st.integers(1, 9), top_k=st.integers(1, 4),
+       hidden=st.sampled_from([32, 64]), intermediate=st.sampled_from([32, 96]), seed=st.integers(0, 2**16))
+def test_amx_experts_equal_the_torch_formulation(tokens, experts, top_k, hidden, intermediate, seed):
+    """The MoE kernel from AMX tiles: the torch formulation's sums to float32 rounding, as from the float32 weights;
+    the torch path reads the tiles' matrices (`AmxTiles[e]`) and gives its own numbers exactly."""
+    top_k = min(top_k, experts)
+    mlp = random_mlp(experts, top_k, hidden, intermediate, seed, std=2.0 if seed % 2 else 0.5)
+    tiles = cpu.amx_tiles(mlp.experts.gate_up_proj), cpu.amx_tiles(mlp.experts.down_proj)
+    assert cpu.moe_serves(torch.randn(1, hidden), *tiles)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))
+    with torch.inference_mode():
+        expected = routed_experts(x, mlp)
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(routed_experts(x, mlp, *tiles, compiled=True), expected, rtol=1e-5,
+                                   atol=2e-6 * max(scale, 1.0))
+        assert torch.equal(routed_experts(x, mlp, *tiles), expected)
+
+
+def test_amx_switched_off_leaves_the_avx512_paths(monkeypatch):
+    """TRTLLM_DFLASH_AMX=0: no AMX tiles anywhere (a target then has no "amx" expert storage and its projections
+    keep their bf16 copies), where AMX runs as where it does not."""
+    monkeypatch.setenv(cpu.AMX_VARIABLE, "0")
+    assert not cpu.amx_available() and cpu.amx_tiles(bf16_exact(64, 48, seed=0)) is None
+    target = GptOssTarget(random_target(tiny_target_config(), seed=5))
+    assert "amx" not in target.expert_storages
+    assert not any(isinstance(k.weight, cpu.AmxTiles) for k in target.qkv_kernel + target.o_proj_kernel if k)

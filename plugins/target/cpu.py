@@ -11,6 +11,7 @@ numbers are theirs up to float32 summation order (tests/test_target_cpu.py).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,49 @@ def int8_rows(weight: torch.Tensor) -> RowInt8 | None:
     return RowInt8(tile_major(values.to(torch.int8)), scales)
 
 
+AMX_VARIABLE = "TRTLLM_DFLASH_AMX"  # "0": no AMX tiles (the kernels' AVX512 paths), e.g. for an A/B timing
+
+
+def amx_available() -> bool:
+    """Whether the kernels run on AMX tiles here (`amx_gemm.h`: built for a CPU with AMX-BF16, the tiles granted,
+    not switched off by TRTLLM_DFLASH_AMX=0)."""
+    module = target_kernels()
+    return module is not None and os.environ.get(AMX_VARIABLE, "1") != "0" and module.amx_available()
+
+
+AMX_ROWS = 32  # an AMX-tiled matrix's rows (inputs) come in slices of this many
+
+
+@dataclass(frozen=True)
+class AmxTiles:
+    """Matrices [..., in, out] held as bf16 AMX tiles (`amx_tiles`; the kernels' `amx_gemm.h` multiplies float32
+    inputs by them exactly, split into three bf16 parts). `[e]` gives matrix e in float32, plain (the torch path's)."""
+
+    values: torch.Tensor  # bf16 [..., in, out] holding the tile layout
+
+    def __getitem__(self, expert: int) -> torch.Tensor:
+        rows, columns = self.values.shape[-2:]
+        tiles = self.values[expert].view(columns // LANES, rows // AMX_ROWS, AMX_ROWS // 2, LANES, 2)
+        return tiles.permute(1, 2, 4, 0, 3).reshape(rows, columns).float()
+
+
+def amx_tiles(weight: torch.Tensor) -> AmxTiles | None:
+    """Matrices [..., in, out] (CPU) as `AmxTiles` where bf16 holds every weight exactly (MXFP4 experts, bf16
+    checkpoints' dense weights), `in` is a multiple of `AMX_ROWS`, `out` of `LANES` and AMX runs here, else None.
+    Tile (column slice j, row slice i) holds, at its row p, rows 2p and 2p + 1 of slice i interleaved per column."""
+    weight = weight.detach()
+    *lead, rows, columns = weight.shape
+    if weight.device.type != "cpu" or rows % AMX_ROWS or columns % LANES or not amx_available():
+        return None
+    compact = weight.to(torch.bfloat16)
+    if not torch.equal(compact.float(), weight.float()):
+        return None
+    n = len(lead)
+    tiles = compact.reshape(*lead, rows // AMX_ROWS, AMX_ROWS // 2, 2, columns // LANES, LANES)
+    tiles = tiles.permute(*range(n), n + 3, n, n + 1, n + 4, n + 2)  # column slice, row slice, pair, column, of pair
+    return AmxTiles(tiles.contiguous().view(*lead, rows, columns))
+
+
 def moe_serves(x: torch.Tensor, gate_up: object, down: object) -> bool:
     """Whether the MoE kernel takes these: float32 CPU tokens, experts as float32 or bf16 CPU tensors alike
     ([E, H, 2I], [E, I, H]; not fbgemm's packed copies) or both `RowInt8`, H and I multiples of `LANES`, the
@@ -95,6 +139,8 @@ def moe_serves(x: torch.Tensor, gate_up: object, down: object) -> bool:
         return False
     if isinstance(gate_up, RowInt8) and isinstance(down, RowInt8):  # int8_rows made them from float32 CPU experts
         gate_up, down = gate_up.values, down.values
+    elif isinstance(gate_up, AmxTiles) and isinstance(down, AmxTiles):  # amx_tiles checked the rest
+        return x.shape[-1] % AMX_ROWS == 0
     elif not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.device.type == "cpu"
               and gate_up.dtype == down.dtype and gate_up.dtype in (torch.float32, torch.bfloat16)):
         return False
@@ -114,20 +160,22 @@ def routed_experts_cpu(x: torch.Tensor, indices: torch.Tensor, scores: torch.Ten
     up interleaved) and down [E, I, H] (float32, bf16, or both `RowInt8`), their float32 biases -> [n, H]: per
     token, the sum over its slots of score x down(swiglu(gate_up(x))), gpt-oss's clamped SwiGLU with `alpha` and
     `limit`."""
+    scales, tiles = (None, None), isinstance(gate_up, AmxTiles)
     if isinstance(gate_up, RowInt8):
         scales = (gate_up.scales, down.scales)
+    if isinstance(gate_up, (RowInt8, AmxTiles)):
         gate_up, down = gate_up.values, down.values
-    else:
-        scales = (None, None)
     return target_kernels().routed_experts(x.contiguous(), indices.contiguous(), scores.float().contiguous(),
                                        gate_up.contiguous(), gate_up_bias.float().contiguous(), down.contiguous(),
-                                       down_bias.float().contiguous(), alpha, limit, *scales)
+                                       down_bias.float().contiguous(), alpha, limit, *scales, tiles)
 
 
-def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x float32 [..., in] (contiguous) times weight [in, out] (float32, or a bf16 copy that holds it exactly) plus
-    bias float32 [out] -> [..., out], in float32 products and sums; out a multiple of `LANES`."""
-    return target_kernels().linear(x, weight, bias)
+def linear_cpu(x: torch.Tensor, weight: torch.Tensor | AmxTiles, bias: torch.Tensor | None) -> torch.Tensor:
+    """x float32 [..., in] (contiguous) times weight [in, out] (float32, a bf16 copy that holds it exactly, or
+    `AmxTiles`) plus bias float32 [out] -> [..., out], in float32 products and sums; out a multiple of `LANES`."""
+    if isinstance(weight, AmxTiles):
+        return target_kernels().linear(x, weight.values, bias, True)
+    return target_kernels().linear(x, weight, bias, False)
 
 
 def sink_attention_cpu(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,

@@ -18,6 +18,7 @@
 #include <torch/extension.h>
 
 #include "../vector_math.h"
+#include "amx_gemm.h"
 
 #include <immintrin.h>
 
@@ -105,6 +106,12 @@ void linear_rows(const float* const* x, int64_t rows, int64_t in, const W* w, in
   for (; c0 < c_end; c0 += kLanes) at(c0, kLanes, std::integral_constant<int, 1>{});
 }
 
+// The same on AMX tiles (`amx_gemm.h`; `tile_major` does not apply: the tiles are their own layout).
+void linear_rows(const float* const* x, int64_t rows, int64_t in, dflash_amx::Tiles w, int64_t out, const float* bias,
+                 float* const* y, int64_t c_begin, int64_t c_end, bool = false) {
+  dflash_amx::rows_times(x, rows, in, w, out, bias, y, c_begin, c_end);
+}
+
 // gpt-oss's gate on gate_up [2I] with gate and up interleaved (even, odd columns) -> act [I]:
 // (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit).
 void clamped_swiglu(const float* gate_up, int64_t inter, float alpha, float limit, float* gate, float* up,
@@ -136,10 +143,10 @@ void scale_row(const float* row, const float* scales, int64_t width, float* out)
 // into slots[token * k + slot]. int8 experts: `gus` [H] and `dns` [I] are the power-of-two scales of their
 // matrices' input rows, which multiply the inputs instead of the weights: x_h s_h exactly, so each product
 // (x_h s_h) q_hc is the float32 original's x_h w_hc bit for bit, and the weights need no multiply (-15% of the
-// MoE's time against a scale per weight, round 20).
+// MoE's time against a scale per weight, round 20). `W`: a weight pointer (float32, bf16 or int8) or AMX tiles.
 template <typename W>
 void run_expert(const float* xp, const float* sp, const std::vector<int64_t>& routed, int64_t k, int64_t hidden,
-                int64_t inter, const W* gu, const float* gus, const float* gub, const W* dn, const float* dns,
+                int64_t inter, W gu, const float* gus, const float* gub, W dn, const float* dns,
                 const float* dnb, float alpha, float limit, float* slots) {
   const int64_t rows = static_cast<int64_t>(routed.size());
   std::vector<float> gate_up(rows * 2 * inter), gate(inter), up(inter), act(rows * inter);
@@ -157,7 +164,7 @@ void run_expert(const float* xp, const float* sp, const std::vector<int64_t>& ro
     act_rows.push_back(act.data() + r * inter);
     out_rows.push_back(slots + routed[r] * hidden);
   }
-  const bool tile_major = std::is_same_v<W, int8_t>;  // int8 experts come stored tile by tile (`int8_rows`)
+  const bool tile_major = std::is_same_v<W, const int8_t*>;  // int8 experts come stored tile by tile (`int8_rows`)
   linear_rows(x_rows.data(), rows, hidden, gu, 2 * inter, gub, gate_up_rows.data(), 0, 2 * inter, tile_major);
   for (int64_t r = 0; r < rows; ++r) {
     clamped_swiglu(gate_up_rows[r], inter, alpha, limit, gate.data(), up.data(), act.data() + r * inter);
@@ -173,7 +180,7 @@ void run_expert(const float* xp, const float* sp, const std::vector<int64_t>& ro
 // Every routed expert (in parallel over torch's intra-op threads: their rows write disjoint slots).
 template <typename W>
 void run_experts(const float* xp, const int64_t* ip, const float* sp, int64_t n, int64_t k, int64_t hidden,
-                 int64_t inter, int64_t experts, const W* gu, const float* gus, const float* gub, const W* dn,
+                 int64_t inter, int64_t experts, W gu, const float* gus, const float* gub, W dn,
                  const float* dns, const float* dnb, float alpha, float limit, float* slots) {
   std::vector<std::vector<int64_t>> routed(experts);
   for (int64_t s = 0; s < n * k; ++s) routed[ip[s]].push_back(s);
@@ -258,12 +265,13 @@ std::vector<torch::Tensor> route(torch::Tensor x, torch::Tensor weight, torch::T
 // gate_up [E, H, 2I] and down [E, I, H], both float32, both bf16 or both int8 (then stored tile by tile, see
 // `linear_rows`, with float32 scales [E, H] and [E, I]: each weight is its int8 times its input row's scale, a power
 // of two);
-// biases float32 [E, 2I], [E, H]. H and I multiples of 16.
+// biases float32 [E, 2I], [E, H]. H and I multiples of 16. `tiles`: gate_up and down are bf16 AMX tiles (`amx_gemm.h`)
+// viewed as [E, H, 2I] and [E, I, H]; H and I multiples of 32.
 // -> float32 [n, H]: sum over slots j of scores[t, j] * expert(indices[t, j], x[t]).
 torch::Tensor routed_experts(torch::Tensor x, torch::Tensor indices, torch::Tensor scores, torch::Tensor gate_up,
                              torch::Tensor gate_up_bias, torch::Tensor down, torch::Tensor down_bias, double alpha,
                              double limit, c10::optional<torch::Tensor> gate_up_scales,
-                             c10::optional<torch::Tensor> down_scales) {
+                             c10::optional<torch::Tensor> down_scales, bool tiles) {
   for (const auto& [t, name, dims] : {std::tuple{&x, "x", 2}, {&indices, "indices", 2}, {&scores, "scores", 2},
                                       {&gate_up, "gate_up", 3}, {&gate_up_bias, "gate_up_bias", 2},
                                       {&down, "down", 3}, {&down_bias, "down_bias", 2}})
@@ -288,6 +296,9 @@ torch::Tensor routed_experts(torch::Tensor x, torch::Tensor indices, torch::Tens
               "expert shapes must be gate_up [E, H, 2I], down [E, I, H], biases [E, 2I] and [E, H]");
   TORCH_CHECK(hidden % kLanes == 0 && inter % kLanes == 0, "hidden and intermediate sizes must be multiples of ",
               kLanes);
+  TORCH_CHECK(!tiles || (kind == torch::kBFloat16 && hidden % dflash_amx::kTileK == 0 &&
+                          inter % dflash_amx::kTileK == 0 && dflash_amx::available()),
+              "AMX tiles need bf16 experts, H and I multiples of 32 and a CPU with AMX-BF16");
   if (int8) {
     for (const auto& [t, name, rows] : {std::tuple{&*gate_up_scales, "gate_up_scales", hidden},
                                         {&*down_scales, "down_scales", inter}}) {
@@ -304,16 +315,20 @@ torch::Tensor routed_experts(torch::Tensor x, torch::Tensor indices, torch::Tens
   const float *gub = gate_up_bias.data_ptr<float>(), *dnb = down_bias.data_ptr<float>();
   float* out_slots = slots.data_ptr<float>();
   const auto a = static_cast<float>(alpha), l = static_cast<float>(limit);
-  if (kind == torch::kFloat32)
-    run_experts(xp, ip, sp, n, k, hidden, inter, experts, gate_up.data_ptr<float>(), nullptr, gub,
-                down.data_ptr<float>(), nullptr, dnb, a, l, out_slots);
+  const auto bf16 = [](const torch::Tensor& t) { return static_cast<const uint16_t*>(t.data_ptr()); };
+  if (tiles)
+    run_experts(xp, ip, sp, n, k, hidden, inter, experts, dflash_amx::Tiles{bf16(gate_up)}, nullptr, gub,
+                dflash_amx::Tiles{bf16(down)}, nullptr, dnb, a, l, out_slots);
+  else if (kind == torch::kFloat32)
+    run_experts(xp, ip, sp, n, k, hidden, inter, experts, static_cast<const float*>(gate_up.data_ptr<float>()),
+                nullptr, gub, static_cast<const float*>(down.data_ptr<float>()), nullptr, dnb, a, l, out_slots);
   else if (kind == torch::kBFloat16)
-    run_experts(xp, ip, sp, n, k, hidden, inter, experts, reinterpret_cast<const uint16_t*>(gate_up.data_ptr()),
-                nullptr, gub, reinterpret_cast<const uint16_t*>(down.data_ptr()), nullptr, dnb, a, l, out_slots);
+    run_experts(xp, ip, sp, n, k, hidden, inter, experts, bf16(gate_up), nullptr, gub, bf16(down), nullptr, dnb, a,
+                l, out_slots);
   else
-    run_experts(xp, ip, sp, n, k, hidden, inter, experts, gate_up.data_ptr<int8_t>(),
-                gate_up_scales->data_ptr<float>(), gub, down.data_ptr<int8_t>(), down_scales->data_ptr<float>(), dnb,
-                a, l, out_slots);
+    run_experts(xp, ip, sp, n, k, hidden, inter, experts, static_cast<const int8_t*>(gate_up.data_ptr<int8_t>()),
+                gate_up_scales->data_ptr<float>(), gub, static_cast<const int8_t*>(down.data_ptr<int8_t>()),
+                down_scales->data_ptr<float>(), dnb, a, l, out_slots);
   auto out = torch::empty({n, hidden}, x.options());
   float* op = out.data_ptr<float>();
   for (int64_t t = 0; t < n; ++t) {  // the top-k outputs summed in slot order
@@ -420,9 +435,9 @@ torch::Tensor sink_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor
 }
 
 // x float32 [..., in] (contiguous) times weight [in, out] (float32, or bf16 that holds the weight exactly; contiguous)
-// plus bias float32 [out] or None -> float32 [..., out]; out a multiple of 16. Columns split over torch's intra-op
-// threads.
-torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+// plus bias float32 [out] or None -> float32 [..., out]; out a multiple of 16. `tiles`: weight is bf16 AMX tiles
+// (`amx_gemm.h`) viewed as [in, out], in a multiple of 32. Columns split over torch's intra-op threads.
+torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, bool tiles) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be a contiguous float32 CPU tensor");
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous() &&
@@ -431,6 +446,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch:
   const int64_t in = weight.size(0), out = weight.size(1);
   TORCH_CHECK(x.size(-1) == in, "x's last dimension must be weight's first");
   TORCH_CHECK(out % kLanes == 0, "the output width must be a multiple of ", kLanes);
+  TORCH_CHECK(!tiles || (weight.scalar_type() == torch::kBFloat16 && in % dflash_amx::kTileK == 0 &&
+                         dflash_amx::available()),
+              "AMX tiles need a bf16 weight, in a multiple of 32 and a CPU with AMX-BF16");
   const float* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == out,
@@ -448,7 +466,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch:
     y_rows[r] = y.data_ptr<float>() + r * out;
   }
   at::parallel_for(0, out / kLanes, 256 / kLanes, [&](int64_t first, int64_t last) {
-    if (weight.scalar_type() == torch::kFloat32)
+    if (tiles)
+      linear_rows(x_rows.data(), rows, in, dflash_amx::Tiles{static_cast<const uint16_t*>(weight.data_ptr())}, out, bp,
+                  y_rows.data(), first * kLanes, last * kLanes);
+    else if (weight.scalar_type() == torch::kFloat32)
       linear_rows(x_rows.data(), rows, in, weight.data_ptr<float>(), out, bp, y_rows.data(), first * kLanes,
                   last * kLanes);
     else
@@ -462,5 +483,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ weight [in, out] + bias (float32 math; float32 or bf16 weight)");
   m.def("route", &route, "gpt-oss router: top-k experts and their softmax (float32)");
   m.def("routed_experts", &routed_experts, "gpt-oss routed experts (float32 or bf16 weights)");
+  m.def("amx_available", &dflash_amx::available, "whether this build and CPU run the AMX-BF16 GEMM");
   m.def("sink_attention", &sink_attention, "a target layer's RoPE, K/V write and attention with sinks (float32)");
 }

@@ -15,9 +15,10 @@ them exactly, `exact_dtype`), RMSNorm is one layer_norm kernel on CPU (`lean_rms
 q and k in one go, each step builds one additive mask per window kind for all layers,
 attention is one fused kernel on CPU, and the MoE multiplies only the experts a block routes to
 (`routed_experts`), reading them as float32 or, where the checkpoint's experts allow, from exact bf16
-copies (`compact_copy`), exact int8 rows (`target_cpu.int8_rows`: MXFP4 experts) or fbgemm's float16 ones
-(`half_copies`); the float32, bf16 and int8 ones through one call of the compiled CPU MoE kernel after the router
-where it builds (`plugins/target/cpu.py`), the float16 ones through a GEMM per routed expert. Which is fastest depends on the machine, so the runtime times them
+copies (`compact_copy`), exact int8 rows (`target_cpu.int8_rows`: MXFP4 experts), AMX tiles of the bf16 values on
+a CPU with AMX (`target_cpu.amx_tiles`) or fbgemm's float16 ones (`half_copies`); all but the float16 ones through
+one call of the compiled CPU MoE kernel after the router where it builds (`plugins/target/cpu.py`), the float16
+ones through a GEMM per routed expert. Which is fastest depends on the machine, so the runtime times them
 at start-up: `use_expert_storage`, `runtime/tuning.py`. Where the compiled CPU kernels build, a layer's
 RoPE, K/V write and attention are one call too (masks from positions, none built), and so is each
 residual add with the RMSNorm after it (`use_cpu_kernels`, `compiled_parts`).
@@ -151,7 +152,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.Module, doubled:
 
 
 # [E, in, out], or per expert fbgemm's packed [out, in] (`half_copies`), or exact int8 rows (`target_cpu.int8_rows`)
-ExpertMatrices = torch.Tensor | list | target_cpu.RowInt8
+ExpertMatrices = torch.Tensor | list | target_cpu.RowInt8 | target_cpu.AmxTiles
 
 
 def routed_experts(x: torch.Tensor, mlp: nn.Module, gate_up_proj: ExpertMatrices | None = None,
@@ -240,11 +241,14 @@ def compact_copy(weight: torch.Tensor) -> torch.Tensor:
 
 class KernelLinear:
     """A frozen linear map through the compiled CPU kernel (`target_cpu.linear_cpu`): the weight stored [in, out] as
-    an exact bf16 copy where bf16 holds it (`compact_copy`: a bf16 checkpoint's dense weights), else float32; float32
-    products and sums, so the float32 GEMM's result up to summation order."""
+    AMX tiles where the CPU has AMX and bf16 holds it (`target_cpu.amx_tiles`: 0.3-0.4x the time of the FMA kernel
+    at 1 to 16 rows of a 256 x 512 weight on a Xeon VM, round 22), else as an exact bf16 copy where bf16 holds it
+    (`compact_copy`: a bf16 checkpoint's dense weights), else float32; float32 products and sums, so the float32
+    GEMM's result up to summation order."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.weight = compact_copy(weight.detach().t().contiguous())
+        plain = weight.detach().t().contiguous()
+        self.weight = target_cpu.amx_tiles(plain) or compact_copy(plain)
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -315,6 +319,10 @@ class GptOssTarget(nn.Module):
         rows = [(target_cpu.int8_rows(gate_up), target_cpu.int8_rows(down)) for gate_up, down in originals]
         if all(copy is not None for pair in rows for copy in pair):
             self.expert_storages["int8"] = rows
+        if lean:
+            tiles = [(target_cpu.amx_tiles(gate_up), target_cpu.amx_tiles(down)) for gate_up, down in originals]
+            if all(copy is not None for pair in tiles for copy in pair):
+                self.expert_storages["amx"] = tiles
         self.use_expert_storage(next(iter(self.expert_storages)))
         self.use_cpu_kernels = True  # False: attention, MoE and add + RMSNorms in torch even where compiled kernels serve
         head = hf_model.lm_head
@@ -325,7 +333,7 @@ class GptOssTarget(nn.Module):
 
     def use_expert_storage(self, name: str) -> None:
         """Read the experts from `expert_storages[name]` from now on: the same numbers from the bf16 copies and the
-        int8 rows, the same to float32 rounding from the float16 ones."""
+        int8 rows, the same to float32 rounding from the float16 ones and the AMX tiles."""
         self.expert_weights = self.expert_storages[name]  # per layer (gate_up, down)
         self.expert_storage = name
 

@@ -14,12 +14,15 @@ on the drafter's distributions, never on the target, the tokens drawn or the ran
 step it sizes.
 
 Drafts come from two sources with very different acceptance (dflash-sa): the DFlash drafter
-("neural") and the suffix match ("suffix"); each has its own estimate, cost row and prior
-(`SOURCE_PRIORS`).
+("neural") and the suffix match ("suffix"); each has its own cost row and prior (`SOURCE_PRIORS`), and
+its own estimates, one per bucket of what a step knows of a row before drafting (`KEY_EDGES`: for a
+suffix draft, its match length; round 22).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +38,15 @@ SOURCES = ("neural", "suffix")
 # dflash-sa at 128 tokens, and of 0.5 / 0.7 / 0.85 at 256 (docs/benchmarks.md, round 15); the neural prior made
 # no difference (0.35-0.8).
 SOURCE_PRIORS = {"neural": 0.5, "suffix": 0.85}
+
+# Per source, the bucket edges of a row's key, the one thing a step knows before drafting that predicts the source's
+# acceptance: each bucket has its own estimate. A suffix draft's key is its match length: on the embedded pair (the
+# 64 held-out prompts, 128 tokens, every position) half of the suffix drafts after a match of 2 fail at once and 3.0
+# of 15 hold on average, 6-8 after a match of 4-15, 13 after one of 16 or more; one estimate for all of them sizes
+# the short matches' steps like the long ones'. Buckets split at 4 and 16 gave dflash-sa 1.04x in an offline replay of
+# the policy on the 48 prompts after the benchmark's 16 (chosen on those 16: 1.03x; round 22). The neural drafter has
+# no key: the target's confidence in the anchor predicted its acceptance on the 16 prompts but gained nothing on the 48.
+KEY_EDGES: dict[str, tuple[float, ...]] = {"neural": (), "suffix": (4, 16)}
 
 
 @dataclass
@@ -119,8 +131,9 @@ class ConfidenceCalibration:
 
 class AdaptiveDraftLength:
     """Chooses K in [least, most] per step and source: argmax of expected tokens / cost[source][K], the
-    expected tokens from that source's `AcceptanceEstimate` (its untried positions at `priors[source]`,
-    default `SOURCE_PRIORS`).
+    expected tokens from that source's `AcceptanceEstimate`s (its untried positions at `priors[source]`,
+    default `SOURCE_PRIORS`), one per bucket of the rows' keys (`key_edges`, default `KEY_EDGES`); a step's
+    expected tokens are the sum over its rows, each from its own bucket.
 
     `costs[source][K]` is the measured seconds of a step with K drafts from that source, K = 0 being a
     plain autoregressive step; see `measure_step_costs`. A source's row may be longer than another's
@@ -130,51 +143,71 @@ class AdaptiveDraftLength:
     so after a run of such steps the source drafts again (its best K >= 1) to refresh its estimate: after
     `explore_every` steps, or more where that draft costs more, so that refreshing spends at most
     `explore_share` of the run's time over plain steps (a step with one drafter draft cost 2.6x an AR step of
-    the lean target at batch 4, where refreshing every 9th step cost dflash-sa 0.93x -> 0.81x AR; round 17)."""
+    the lean target at batch 4, where refreshing every 9th step cost dflash-sa 0.93x -> 0.81x AR; round 17).
+    Idle steps are counted per source and set of buckets, the estimates that a refresh would renew.
+
+    `keys` (`choose`, `observe`) are the rows' keys, None for a source without edges (every row in its one bucket)."""
 
     def __init__(self, costs: dict[str, list[float]], least: int = 0, decay: float = 0.9,
-                 priors: dict[str, float] | None = None, explore_every: int = 8, explore_share: float = 0.05):
+                 priors: dict[str, float] | None = None, explore_every: int = 8, explore_share: float = 0.05,
+                 key_edges: dict[str, Sequence[float]] | None = None):
         self.costs, self.least = costs, least
         self.explore_every, self.explore_share = explore_every, explore_share
         priors = SOURCE_PRIORS if priors is None else priors
+        self.key_edges = {source: tuple((KEY_EDGES if key_edges is None else key_edges).get(source, ()))
+                          for source in costs}
         self.most = {source: len(row) - 1 for source, row in costs.items()}  # per source
-        self.estimates = {source: AcceptanceEstimate(self.most[source], decay, priors[source]) for source in costs}
+        self.estimates = {source: [AcceptanceEstimate(self.most[source], decay, priors[source])
+                                   for _ in range(len(self.key_edges[source]) + 1)] for source in costs}
         self.calibration = ConfidenceCalibration()
-        self.idle = {source: 0 for source in costs}  # steps in a row without drafts, per source
+        self.idle: dict[tuple[str, tuple[int, ...]], int] = {}  # steps in a row without drafts, per source and buckets
         self.chosen: dict[str, list[int]] = {source: [] for source in costs}  # K of every step, for reports
 
-    def choose(self, source: str, most: int) -> int:
+    def buckets(self, source: str, keys: Sequence[float] | None, rows: int = 1) -> list[int]:
+        """Each row's bucket of `source`'s estimates; no keys: the first bucket for each of `rows` rows."""
+        if keys is None:
+            return [0] * rows
+        return [bisect_right(self.key_edges[source], key) for key in keys]
+
+    def expected_tokens(self, source: str, keys: Sequence[float] | None) -> list[float]:
+        """[K] -> expected committed tokens of a step, summed over its rows (one row where `keys` is None)."""
+        rows = [self.estimates[source][b].expected_tokens() for b in self.buckets(source, keys)]
+        return [sum(column) for column in zip(*rows)]
+
+    def choose(self, source: str, most: int, keys: Sequence[float] | None = None) -> int:
         most = min(most, self.most[source])
         if most <= self.least:
             self.chosen[source].append(most)
             return most
-        expected, cost = self.estimates[source].expected_tokens(), self.costs[source]
+        expected, cost = self.expected_tokens(source, keys), self.costs[source]
 
         def best(least: int) -> int:
             return max(range(least, most + 1), key=lambda k: expected[k] / cost[k])
         k = best(self.least)
+        idle = (source, tuple(sorted(set(self.buckets(source, keys)))))
         if k == 0:
-            self.idle[source] += 1
+            self.idle[idle] = self.idle.get(idle, 0) + 1
             probe = best(1)
             extra = (cost[probe] - cost[0]) / (self.explore_share * cost[0])  # idle steps that pay for the probe
-            if self.idle[source] >= max(self.explore_every, extra):
+            if self.idle[idle] >= max(self.explore_every, extra):
                 k = probe
         if k:
-            self.idle[source] = 0
+            self.idle[idle] = 0
         self.chosen[source].append(k)
         return k
 
-    def truncate(self, confidences: list[list[float]], most: int, suffix_rows: int = 0) -> int:
+    def truncate(self, confidences: list[list[float]], most: int, suffix_keys: Sequence[float] = ()) -> int:
         """After a drafter step: how many of the `most` drafts to verify, K in [1, most], the argmax of
         expected tokens / cost["neural"][K] where each neural row's acceptance follows its drafts'
-        confidences (`ConfidenceCalibration`) and each of `suffix_rows` rows of suffix drafts follows
-        the suffix source's estimate. Lossless like any K: it depends on the drafter's distributions only,
-        never on the target or the tokens drawn. Replaces the step's K in `chosen`."""
+        confidences (`ConfidenceCalibration`) and each row of suffix drafts (one per key in `suffix_keys`)
+        follows the suffix source's estimates. Lossless like any K: it depends on the drafter's distributions and
+        the committed tokens only, never on the target's verdict or the tokens drawn. Replaces the step's K in
+        `chosen`."""
         most = min(most, self.most["neural"])
         expected = [0.0] * (most + 1)
         rows = [self.calibration.expected_tokens(row[:most]) for row in confidences]
-        if suffix_rows:
-            rows.append([suffix_rows * e for e in self.estimates["suffix"].expected_tokens()])
+        if suffix_keys:
+            rows.append(self.expected_tokens("suffix", suffix_keys))
         for row in rows:
             expected = [total + e for total, e in zip(expected, row)]
         cost = self.costs["neural"]
@@ -182,9 +215,14 @@ class AdaptiveDraftLength:
         self.chosen["neural"][-1] = k
         return k
 
-    def observe(self, source: str, num_drafts: int, num_accepted: list[int]) -> None:
-        if num_drafts and num_accepted:
-            self.estimates[source].observe(num_drafts, num_accepted)
+    def observe(self, source: str, num_drafts: int, num_accepted: list[int], keys: Sequence[float] | None = None) -> None:
+        """One step of `source`: each row verified `num_drafts` drafts and kept num_accepted[row]; each bucket that
+        has rows in it observes them."""
+        if not (num_drafts and num_accepted):
+            return
+        buckets = self.buckets(source, keys, len(num_accepted))
+        for bucket in sorted(set(buckets)):
+            self.estimates[source][bucket].observe(num_drafts, [a for a, b in zip(num_accepted, buckets) if b == bucket])
 
 
 def format_costs(costs: dict[str, list[float]]) -> str:

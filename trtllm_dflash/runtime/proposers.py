@@ -314,6 +314,7 @@ class SuffixDFlashProposer:
         self.num_drafts = max_suffix_drafts or dflash.num_drafts
         self.feature_layers = dflash.feature_layers
         self.suffix_rows: list[bool] = []
+        self.match_lengths: list[int] = []  # per row, its suffix match's length at the last `propose`
 
     def start(self, features, prompt_lens, capacity):
         self.dflash.start(features, prompt_lens, capacity)
@@ -321,10 +322,11 @@ class SuffixDFlashProposer:
 
     def suffix_drafts(self, history: list[list[int]], num_drafts: int) -> list[list[int] | None]:
         """Per row: the suffix match's continuation, or None where the match is shorter than the threshold."""
-        drafts = []
+        drafts, self.match_lengths = [], []
         for index, sequence in zip(self.indexes, history):
             index.extend(sequence[len(index):])  # only what was committed since the last step
-            drafts.append(index.continuation(num_drafts) if index.match_length() >= self.threshold else None)
+            self.match_lengths.append(index.match_length())
+            drafts.append(index.continuation(num_drafts) if self.match_lengths[-1] >= self.threshold else None)
         return drafts
 
     def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
@@ -332,7 +334,8 @@ class SuffixDFlashProposer:
         self.suffix_rows = [row is not None for row in matched]
         everyone = all(self.suffix_rows)
         if self.policy is not None:
-            chosen = self.policy.choose("suffix" if everyone else "neural", num_drafts)
+            chosen = (self.policy.choose("suffix", num_drafts, self.match_lengths) if everyone
+                      else self.policy.choose("neural", num_drafts))
             # a suffix step verifies what the policy chose; a drafter step drafts the whole block and
             # verifies what its drafts' confidences say (`truncate`)
             num_drafts = chosen if everyone or chosen == 0 else num_drafts
@@ -354,8 +357,7 @@ class SuffixDFlashProposer:
                 q[rows] = torch.nn.functional.one_hot(suffix, q.shape[-1]).to(q.dtype)
         if self.policy is not None:
             confidence = self.dflash.confidence.tolist()
-            k = self.policy.truncate([confidence[i] for i in self.neural_rows()], num_drafts,
-                                     suffix_rows=sum(self.suffix_rows))
+            k = self.policy.truncate([confidence[i] for i in self.neural_rows()], num_drafts, self.suffix_keys())
             drafts, q = self.dflash.keep_first(k, drafts, q)
         return drafts, q
 
@@ -363,12 +365,16 @@ class SuffixDFlashProposer:
         """The rows whose drafts in the last `propose` came from the drafter."""
         return [i for i, suffix in enumerate(self.suffix_rows) if not suffix]
 
+    def suffix_keys(self) -> list[int]:
+        """The match lengths of the rows whose drafts in the last `propose` came from their suffix match."""
+        return [length for length, suffix in zip(self.match_lengths, self.suffix_rows) if suffix]
+
     def commit(self, features, num_accepted):
         if self.policy is not None:
             kept = num_accepted.tolist()
-            for source, suffix in (("suffix", True), ("neural", False)):
-                rows = [a for a, row in zip(kept, self.suffix_rows) if row == suffix]
-                self.policy.observe(source, features.shape[1] - 1, rows)
+            suffix = [a for a, row in zip(kept, self.suffix_rows) if row]
+            self.policy.observe("suffix", features.shape[1] - 1, suffix, self.suffix_keys())
+            self.policy.observe("neural", features.shape[1] - 1, [a for a, row in zip(kept, self.suffix_rows) if not row])
             if features.shape[1] > 1 and not all(self.suffix_rows):  # the drafter's step
                 neural, confidence = self.neural_rows(), self.dflash.confidence.tolist()
                 self.policy.calibration.observe([confidence[i] for i in neural], [kept[i] for i in neural])

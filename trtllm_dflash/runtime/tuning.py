@@ -85,7 +85,7 @@ def choose_expert_storage(target, choice: str, batch: int, block: int) -> dict[s
             raise InputError(f"the target's experts can be read as {' or '.join(target.expert_storages)} here, not "
                              f"{choice} (bf16 and float16 copies exist on CPU for float32 experts that those dtypes "
                              "represent exactly, as MXFP4 checkpoints' do; float16 ones on x86 builds of torch, "
-                             "for fbgemm).", field="--expert-dtype")
+                             "for fbgemm; AMX tiles on CPUs with AMX-BF16).", field="--expert-dtype")
         target.use_expert_storage(choice)
         return None
     if len(target.expert_storages) == 1:
