@@ -32,6 +32,8 @@ The forward is tested token-identical to `GptOssForCausalLM.generate` on the sam
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -261,6 +263,21 @@ def hooked(*modules: nn.Module) -> bool:
     return any(m._forward_pre_hooks or m._forward_hooks for m in modules)
 
 
+@dataclass(frozen=True)
+class LayerParts:
+    """What the lean forward reads of one decoder layer, looked up once at load: an nn.Module attribute costs ~1 us and
+    a ModuleList index several, and their chains took 0.1-0.2 ms of a ~1 ms AR step on a Xeon VM (round 22). The
+    modules themselves, so that a hook added later (calibration) is still seen (`hooked`)."""
+
+    attention: nn.Module
+    projections: tuple[nn.Module, nn.Module, nn.Module]  # q, k, v
+    o_proj: nn.Module
+    post_attention_norm: nn.Module
+    mlp: nn.Module
+    experts: nn.Module
+    sinks: torch.Tensor  # float32 [Hkv, G, 1], `fused_attention`'s layout
+
+
 def fuse_qkv(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """One [q; k; v] weight and bias (a copy: the adapter treats the target's weights as frozen)."""
     projections = (attn.q_proj, attn.k_proj, attn.v_proj)
@@ -285,6 +302,7 @@ class GptOssTarget(nn.Module):
         self.final_norm = doubled_weight(hf_model.model.norm)
         # the norm after each layer's residual add: the next layer's input norm, after the last the final one
         layers = hf_model.model.layers
+        self.first_norm = (layers[0].input_layernorm, self.norm_weights[0][0])  # a tuple: not a registered submodule
         self.next_norms = [(layer.input_layernorm, weights[0]) for layer, weights in zip(layers[1:], self.norm_weights[1:])]
         self.next_norms.append((hf_model.model.norm, self.final_norm))
         # q/k/v and o_proj also through the compiled CPU kernel (`use_cpu_kernels`) where its output width fits it
@@ -294,8 +312,8 @@ class GptOssTarget(nn.Module):
 
         def kernel_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> KernelLinear | None:
             return KernelLinear(weight, bias) if lean and weight.shape[0] % target_cpu.LANES == 0 else None
-        self.qkv_kernel, self.o_proj_kernel = [], []
-        for i, layer in enumerate(hf_model.model.layers):
+        self.qkv_kernel, self.o_proj_kernel, self.layer_parts = [], [], []
+        for layer in hf_model.model.layers:
             attn = layer.self_attn
             qkv_weight, qkv_bias = fuse_qkv(attn)
             self.qkv.append(CastLinear(qkv_weight, qkv_bias, exact_dtype(qkv_weight)))
@@ -303,7 +321,8 @@ class GptOssTarget(nn.Module):
             self.qkv_kernel.append(kernel_linear(qkv_weight, qkv_bias))
             self.o_proj_kernel.append(kernel_linear(attn.o_proj.weight, attn.o_proj.bias))
             sinks = attn.sinks.detach().float().view(self.num_kv_heads, self.groups, 1)
-            self.register_buffer(f"sinks_{i}", sinks, persistent=False)
+            self.layer_parts.append(LayerParts(attn, (attn.q_proj, attn.k_proj, attn.v_proj), attn.o_proj,
+                                               layer.post_attention_layernorm, layer.mlp, layer.mlp.experts, sinks))
         originals = [(layer.mlp.experts.gate_up_proj.detach(), layer.mlp.experts.down_proj.detach())
                      for layer in hf_model.model.layers]
         compact = [(compact_copy(gate_up), compact_copy(down)) for gate_up, down in originals]
@@ -391,18 +410,18 @@ class GptOssTarget(nn.Module):
         what each token sees); `compiled`: after the q/k/v GEMM, one call of the compiled kernel, which masks
         by positions (`mask` unused)."""
         b, t, _ = h.shape
-        attn = self.hf.model.layers[i].self_attn
-        if hooked(attn.q_proj, attn.k_proj, attn.v_proj):
-            qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
+        parts = self.layer_parts[i]
+        if hooked(*parts.projections):
+            qkv = torch.cat([projection(h) for projection in parts.projections], dim=-1)
         else:
             qkv = (self.qkv_kernel[i] if compiled and self.qkv_kernel[i] else self.qkv[i])(h)
         if compiled:
             out = target_cpu.sink_attention_cpu(qkv, cos, sin, cache.k[i], cache.v[i], positions, self.windows[i],
-                                                getattr(self, f"sinks_{i}"), self.scale)
+                                                parts.sinks, self.scale)
         else:
             out = self.torch_attention(i, qkv.view(b, t, -1, self.head_dim), cos, sin, positions, cache, kv_len, mask)
-        if hooked(attn.o_proj):
-            return attn.o_proj(out)
+        if hooked(parts.o_proj):
+            return parts.o_proj(out)
         return (self.o_proj_kernel[i] if compiled and self.o_proj_kernel[i] else self.o_proj[i])(out)
 
     def torch_attention(self, i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -415,8 +434,8 @@ class GptOssTarget(nn.Module):
         keys, values = cache.read(i, kv_len)
         q = qk[:, :, :hq].transpose(1, 2)
         if qkv.device.type == "cpu":
-            return fused_attention(q, keys, values, mask, getattr(self, f"sinks_{i}"), self.scale)
-        return sink_attention(q, keys, values, mask, self.hf.model.layers[i].self_attn.sinks, self.scale)
+            return fused_attention(q, keys, values, mask, self.layer_parts[i].sinks, self.scale)
+        return sink_attention(q, keys, values, mask, self.layer_parts[i].attention.sinks, self.scale)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVArena,
@@ -439,17 +458,16 @@ class GptOssTarget(nn.Module):
             masks = {w: attention_bias(mask, self.groups, x.dtype) for w, mask in masks.items()}
         captured = {}
         b, t, _ = x.shape
-        layers = self.hf.model.layers
-        h = rms_norm(x, layers[0].input_layernorm, self.norm_weights[0][0])
-        for i, layer in enumerate(layers):
+        h = rms_norm(x, *self.first_norm)
+        for i, parts in enumerate(self.layer_parts):
             attention = self.attention(i, h, cos, sin, positions, cache, kv_len, masks.get(self.windows[i]),
                                        compiled_attention)
-            x, h = add_rms_norm(x, attention, layer.post_attention_layernorm, self.norm_weights[i][1], compiled)
-            if lean and not hooked(layer.mlp.experts):
-                moe = routed_experts(h.view(b * t, -1), layer.mlp, *self.expert_weights[i],
+            x, h = add_rms_norm(x, attention, parts.post_attention_norm, self.norm_weights[i][1], compiled)
+            if lean and not hooked(parts.experts):
+                moe = routed_experts(h.view(b * t, -1), parts.mlp, *self.expert_weights[i],
                                      compiled=compiled).view(b, t, -1)
             else:
-                moe = layer.mlp(h)[0]
+                moe = parts.mlp(h)[0]
             x, h = add_rms_norm(x, moe, *self.next_norms[i], compiled)  # each residual add with the norm after it
             if i in feature_layers:
                 captured[i] = x
