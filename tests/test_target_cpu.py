@@ -136,6 +136,35 @@ def test_a_hooked_router_is_called_as_it_is():
     assert seen == [(5, 2), (5, 2)]
 
 
+def test_the_one_call_moe_equals_the_router_then_the_experts():
+    """`moe_call` (a layer's router and experts in one kernel call, prepared once) gives the bits of `routed_experts`
+    through the two compiled calls, from every storage the kernel takes; the embedded target's forward uses it per
+    layer, except around a router or experts that a hook watches, where the modules run (and the hook sees them)."""
+    from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
+    from trtllm_dflash.embedded import pair_paths
+
+    target = GptOssTarget(load_hf_gpt_oss(pair_paths()[0]))
+    x = torch.randn(6, target.hidden_size, generator=torch.Generator().manual_seed(0))
+    parts = target.layer_parts[1]
+    with torch.inference_mode():
+        for name, storages in target.expert_storages.items():
+            call = cpu.moe_call(parts.mlp, *storages[1])
+            if name == "float16":  # fbgemm's copies: the torch path's
+                assert call is None
+                continue
+            assert torch.equal(call(x), routed_experts(x, parts.mlp, *storages[1], compiled=True)), name
+        assert all(call is not None for call in target.moe_calls)
+        tokens = torch.randint(0, target.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
+        positions = torch.arange(5)[None]
+        plain, _ = target(tokens, positions, target.new_cache(1, 5), [])
+        seen = []
+        handle = parts.router.register_forward_hook(lambda module, inputs, output: seen.append(output[-1].shape))
+        hooked_logits, _ = target(tokens, positions, target.new_cache(1, 5), [])
+        handle.remove()
+    assert seen == [(5, 2)]
+    torch.testing.assert_close(hooked_logits, plain, rtol=1e-5, atol=1e-5)
+
+
 def test_threads_split_the_experts_and_change_no_number():
     """With two intra-op threads the experts run in parallel, each on one thread: the same bits as one thread."""
     mlp = random_mlp(8, 2, 64, 64, seed=4)

@@ -341,6 +341,16 @@ torch::Tensor routed_experts(torch::Tensor x, torch::Tensor indices, torch::Tens
   return out;
 }
 
+// A layer's whole MoE in one call: `route`, then `routed_experts` on its top-k (the same numbers as the two calls).
+torch::Tensor moe(torch::Tensor x, torch::Tensor router_weight, torch::Tensor router_bias, int64_t top_k,
+                  torch::Tensor gate_up, torch::Tensor gate_up_bias, torch::Tensor down, torch::Tensor down_bias,
+                  double alpha, double limit, c10::optional<torch::Tensor> gate_up_scales,
+                  c10::optional<torch::Tensor> down_scales, bool tiles) {
+  const auto routed = route(x, router_weight, router_bias, top_k);
+  return routed_experts(x, routed[0], routed[1], gate_up, gate_up_bias, down, down_bias, alpha, limit, gate_up_scales,
+                        down_scales, tiles);
+}
+
 // One target layer's attention for a step, after its fused q/k/v projection: qkv [b, t, (Hq + 2 Hkv) * D]
 // (float32, contiguous), cos / sin [b, t, D] (`Rotary`'s, any strides but the last), the layer's arena
 // keys / values [b, Hkv, S, D] (contiguous), positions int64 [b, t], sliding_window <= 0 for none, sinks
@@ -483,6 +493,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ weight [in, out] + bias (float32 math; float32 or bf16 weight)");
   m.def("route", &route, "gpt-oss router: top-k experts and their softmax (float32)");
   m.def("routed_experts", &routed_experts, "gpt-oss routed experts (float32 or bf16 weights)");
+  m.def("moe", &moe, "a gpt-oss layer's router and routed experts in one call");
   m.def("amx_available", &dflash_amx::available, "whether this build and CPU run the AMX-BF16 GEMM");
   m.def("sink_attention", &sink_attention, "a target layer's RoPE, K/V write and attention with sinks (float32)");
 }

@@ -274,6 +274,7 @@ class LayerParts:
     o_proj: nn.Module
     post_attention_norm: nn.Module
     mlp: nn.Module
+    router: nn.Module
     experts: nn.Module
     sinks: torch.Tensor  # float32 [Hkv, G, 1], `fused_attention`'s layout
 
@@ -322,7 +323,8 @@ class GptOssTarget(nn.Module):
             self.o_proj_kernel.append(kernel_linear(attn.o_proj.weight, attn.o_proj.bias))
             sinks = attn.sinks.detach().float().view(self.num_kv_heads, self.groups, 1)
             self.layer_parts.append(LayerParts(attn, (attn.q_proj, attn.k_proj, attn.v_proj), attn.o_proj,
-                                               layer.post_attention_layernorm, layer.mlp, layer.mlp.experts, sinks))
+                                               layer.post_attention_layernorm, layer.mlp, layer.mlp.router,
+                                               layer.mlp.experts, sinks))
         originals = [(layer.mlp.experts.gate_up_proj.detach(), layer.mlp.experts.down_proj.detach())
                      for layer in hf_model.model.layers]
         compact = [(compact_copy(gate_up), compact_copy(down)) for gate_up, down in originals]
@@ -355,6 +357,10 @@ class GptOssTarget(nn.Module):
         int8 rows, the same to float32 rounding from the float16 ones and the AMX tiles."""
         self.expert_weights = self.expert_storages[name]  # per layer (gate_up, down)
         self.expert_storage = name
+        # per layer the compiled MoE's one call on these experts, where it takes them (a float32 CPU target)
+        lean = self.device.type == "cpu" and self.dtype == torch.float32
+        self.moe_calls = [target_cpu.moe_call(parts.mlp, *weights) if lean else None
+                          for parts, weights in zip(self.layer_parts, self.expert_weights)]
 
     def compiled_parts(self, storage: str | None = None) -> list[str]:
         """The parts of the lean path that run compiled CPU kernels ("attention", "moe", "add_rms_norm"); none
@@ -463,7 +469,9 @@ class GptOssTarget(nn.Module):
             attention = self.attention(i, h, cos, sin, positions, cache, kv_len, masks.get(self.windows[i]),
                                        compiled_attention)
             x, h = add_rms_norm(x, attention, parts.post_attention_norm, self.norm_weights[i][1], compiled)
-            if lean and not hooked(parts.experts):
+            if compiled and self.moe_calls[i] is not None and not hooked(parts.experts, parts.router):
+                moe = self.moe_calls[i](h.view(b * t, -1)).view(b, t, -1)
+            elif lean and not hooked(parts.experts):
                 moe = routed_experts(h.view(b * t, -1), parts.mlp, *self.expert_weights[i],
                                      compiled=compiled).view(b, t, -1)
             else:
