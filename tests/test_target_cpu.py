@@ -154,6 +154,10 @@ def test_the_one_call_moe_equals_the_router_then_the_experts():
                 continue
             assert torch.equal(call(x), routed_experts(x, parts.mlp, *storages[1], compiled=True)), name
         assert all(call is not None for call in target.moe_calls)
+        calls = target.moe_calls
+        target.use_expert_storage("bfloat16")
+        target.use_expert_storage("float32")
+        assert target.moe_calls is calls  # made once per storage
         tokens = torch.randint(0, target.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
         positions = torch.arange(5)[None]
         plain, _ = target(tokens, positions, target.new_cache(1, 5), [])

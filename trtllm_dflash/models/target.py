@@ -344,6 +344,7 @@ class GptOssTarget(nn.Module):
             tiles = [(target_cpu.amx_tiles(gate_up), target_cpu.amx_tiles(down)) for gate_up, down in originals]
             if all(copy is not None for pair in tiles for copy in pair):
                 self.expert_storages["amx"] = tiles
+        self.moe_call_sets: dict[str, list[target_cpu.MoeCall | None]] = {}
         self.use_expert_storage(next(iter(self.expert_storages)))
         self.use_cpu_kernels = True  # False: attention, MoE and add + RMSNorms in torch even where compiled kernels serve
         head = hf_model.lm_head
@@ -357,10 +358,13 @@ class GptOssTarget(nn.Module):
         int8 rows, the same to float32 rounding from the float16 ones and the AMX tiles."""
         self.expert_weights = self.expert_storages[name]  # per layer (gate_up, down)
         self.expert_storage = name
-        # per layer the compiled MoE's one call on these experts, where it takes them (a float32 CPU target)
-        lean = self.device.type == "cpu" and self.dtype == torch.float32
-        self.moe_calls = [target_cpu.moe_call(parts.mlp, *weights) if lean else None
-                          for parts, weights in zip(self.layer_parts, self.expert_weights)]
+        # per layer the compiled MoE's one call on these experts, where it takes them (a float32 CPU target); made once
+        # per storage, since the start-up timing switches storages every round (`runtime/tuning.py`)
+        if name not in self.moe_call_sets:
+            lean = self.device.type == "cpu" and self.dtype == torch.float32
+            self.moe_call_sets[name] = [target_cpu.moe_call(parts.mlp, *weights) if lean else None
+                                        for parts, weights in zip(self.layer_parts, self.expert_weights)]
+        self.moe_calls = self.moe_call_sets[name]
 
     def compiled_parts(self, storage: str | None = None) -> list[str]:
         """The parts of the lean path that run compiled CPU kernels ("attention", "moe", "add_rms_norm"); none
