@@ -107,9 +107,9 @@ void linear_rows(const float* const* x, int64_t rows, int64_t in, const W* w, in
 }
 
 // The same on AMX tiles (`amx_gemm.h`; `tile_major` does not apply: the tiles are their own layout).
-void linear_rows(const float* const* x, int64_t rows, int64_t in, dflash_amx::Tiles w, int64_t out, const float* bias,
-                 float* const* y, int64_t c_begin, int64_t c_end, bool = false) {
-  dflash_amx::rows_times(x, rows, in, w, out, bias, y, c_begin, c_end);
+void linear_rows(const float* const* x, int64_t rows, int64_t in, dflash_amx::Tiles w, int64_t /* out */,
+                 const float* bias, float* const* y, int64_t c_begin, int64_t c_end, bool = false) {
+  dflash_amx::rows_times(x, rows, in, w, bias, y, c_begin, c_end);
 }
 
 // gpt-oss's gate on gate_up [2I] with gate and up interleaved (even, odd columns) -> act [I]:
