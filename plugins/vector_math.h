@@ -1,42 +1,80 @@
-// Sixteen-float vectors, the exp and RoPE's rotation both compiled CPU kernel files use (plugins/draft_block/cpu_kernel.cpp,
+// Float vectors of the CPU's width, the exp and RoPE's rotation both compiled CPU kernel files use (plugins/draft_block/cpu_kernel.cpp,
 // plugins/target/cpu_kernel.cpp; `plugins/compiled.py` rebuilds a kernel when this file changes).
 #pragma once
+
+#include <immintrin.h>
 
 #include <cstdint>
 
 namespace dflash_vec {
 
-// Sixteen floats as one vector (GCC/Clang vector extensions: AVX-512 where the CPU has it, else pairs of
-// AVX2 or SSE registers); the `_u` type loads and stores unaligned.
-typedef float f16v __attribute__((vector_size(64)));
-typedef float f16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16v __attribute__((vector_size(64)));
+// One register of floats (GCC/Clang vector extensions): 16 with AVX-512, else 8. A wider vector than the registers
+// is not split into registers by GCC but kept in memory, so every loop-carried vector went through the stack: on an
+// AVX2 VM 16-float vectors made the target's MoE 8-16x and its attention ~5x slower (round 23). The `_u` type loads
+// and stores unaligned.
+#if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+constexpr int64_t kSizeMultiple = 16;  // what the kernels' sizes must be multiples of, alike on every CPU
+typedef float fvec __attribute__((vector_size(kLanes * 4)));
+typedef float fvec_u __attribute__((vector_size(kLanes * 4), aligned(4)));
+typedef int32_t ivec __attribute__((vector_size(kLanes * 4)));
 
-inline f16v load(const float* p) { return *reinterpret_cast<const f16u*>(p); }
-inline void store(float* p, f16v x) { *reinterpret_cast<f16u*>(p) = x; }
-inline f16v splat(float x) { return f16v{} + x; }
+inline fvec load(const float* p) { return *reinterpret_cast<const fvec_u*>(p); }
+inline void store(float* p, fvec x) { *reinterpret_cast<fvec_u*>(p) = x; }
+inline fvec splat(float x) { return fvec{} + x; }
+
+// a * b + c rounded once where the CPU has FMA. GCC fuses `a * b + c` only where its optimizer chooses (it left a
+// float32 GEMM tile's unfused and fused the int8 one beside it, round 23), so code whose results must agree bit for
+// bit says it.
+inline fvec fmadd(fvec a, fvec b, fvec c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<fvec>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                                reinterpret_cast<__m512>(c)));
+#elif defined(__FMA__)
+  return reinterpret_cast<fvec>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                                reinterpret_cast<__m256>(c)));
+#else
+  return a * b + c;
+#endif
+}
+
+// The sum of a vector's lanes as a tree (a sequential sum would chain dependent adds).
+inline float lane_sum(fvec v) {
+  typedef float f8v __attribute__((vector_size(32)));
+  typedef float f4v __attribute__((vector_size(16)));
+#if defined(__AVX512F__)
+  const f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const f8v a = v;
+#endif
+  const f4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
 
 // e^x, in a form the compiler vectorizes: x = k ln 2 + f, e^f by a degree-6 Taylor polynomial on
 // |f| <= ln2 / 2 (relative error < 3e-7), 2^k through the exponent bits; below -87 (-inf included) 0, above 88
 // e^88.
-inline f16v vexp(f16v x) {
-  const i16v dead = x < -87.f;
+inline fvec vexp(fvec x) {
+  const ivec dead = x < -87.f;
   x = dead ? splat(-87.f) : x;
   x = x > 88.f ? splat(88.f) : x;
-  const f16v y = x * 1.44269504f + 0.5f;
-  i16v k = __builtin_convertvector(y, i16v);  // toward zero: floor is one less where y < 0 is inexact
-  k += __builtin_convertvector(k, f16v) > y;  // true is -1
-  const f16v f = x - __builtin_convertvector(k, f16v) * 0.693147181f;
-  f16v p = splat(1.f / 720.f);
+  const fvec y = x * 1.44269504f + 0.5f;
+  ivec k = __builtin_convertvector(y, ivec);  // toward zero: floor is one less where y < 0 is inexact
+  k += __builtin_convertvector(k, fvec) > y;  // true is -1
+  const fvec f = x - __builtin_convertvector(k, fvec) * 0.693147181f;
+  fvec p = splat(1.f / 720.f);
   p = p * f + 1.f / 120.f;
   p = p * f + 1.f / 24.f;
   p = p * f + 1.f / 6.f;
   p = p * f + 0.5f;
   p = p * f + 1.f;
   p = p * f + 1.f;
-  const f16v scale = reinterpret_cast<f16v>((k + 127) << 23);
-  return dead ? f16v{} : p * scale;
+  const fvec scale = reinterpret_cast<fvec>((k + 127) << 23);
+  return dead ? fvec{} : p * scale;
 }
 
 // x [D] rotated by cos / sin [D] (rope.rotate: x * cos + roll(x, D/2) * sin, sin signed) -> out [D].

@@ -73,7 +73,7 @@ inline torch::Tensor draft_block_attention(torch::Tensor q, torch::Tensor k_blk,
   TORCH_CHECK(v_blk.sizes() == k_blk.sizes() && ctx_v.sizes() == ctx_k.sizes() && ctx_k.size(3) == d,
               "v_blk / ctx_v do not match k_blk / ctx_k");
   TORCH_CHECK(ctx_lens.size(0) == batch, "ctx_lens must have one entry per request");
-  TORCH_CHECK(d % kLanes == 0, "head_dim must be a multiple of ", kLanes, ", got ", d);
+  TORCH_CHECK(d % kSizeMultiple == 0, "head_dim must be a multiple of ", kSizeMultiple, ", got ", d);
   const bool normed = q_norm.has_value();
   TORCH_CHECK(normed == k_norm.has_value() && normed == cos.has_value() && normed == sin.has_value(),
               "give q_norm, k_norm, cos and sin together, or none of them");
@@ -132,9 +132,9 @@ inline torch::Tensor draft_block_attention(torch::Tensor q, torch::Tensor k_blk,
           key[u] = p >= seen ? zeros.data() : p < context ? ck + p * ctx_k.stride(2) : keys.data() + (p - context) * d;
         }
         for (int64_t t = 0; t < width; t += kLanes) {
-          f16v s[kKeys] = {};
+          fvec s[kKeys] = {};
           for (int64_t e = 0; e < d; ++e) {
-            const f16v qe = load(queries_t.data() + e * width + t);
+            const fvec qe = load(queries_t.data() + e * width + t);
             for (int64_t u = 0; u < kKeys; ++u) s[u] += qe * key[u][e];
           }
           for (int64_t u = 0; u < kKeys && p0 + u < seen; ++u) store(scores.data() + (p0 + u) * width + t, s[u]);
@@ -147,14 +147,14 @@ inline torch::Tensor draft_block_attention(torch::Tensor q, torch::Tensor k_blk,
               scores[(p - first) * width + h * block + j] = -std::numeric_limits<float>::infinity();
       }
       for (int64_t t = 0; t < width; t += kLanes) {
-        f16v most = splat(-std::numeric_limits<float>::infinity());
+        fvec most = splat(-std::numeric_limits<float>::infinity());
         for (int64_t p = 0; p < seen; ++p) {
-          const f16v x = load(scores.data() + p * width + t);
+          const fvec x = load(scores.data() + p * width + t);
           most = x > most ? x : most;
         }
-        f16v sum{};
+        fvec sum{};
         for (int64_t p = 0; p < seen; ++p) {
-          const f16v w = vexp(load(scores.data() + p * width + t) - most);
+          const fvec w = vexp(load(scores.data() + p * width + t) - most);
           store(scores.data() + p * width + t, w);
           sum += w;
         }
@@ -172,11 +172,11 @@ inline torch::Tensor draft_block_attention(torch::Tensor q, torch::Tensor k_blk,
         for (int64_t t = 0; t < width; t += kLanes)
           for (int64_t e = 0; e < d; e += 8) {
             float* o = out_t.data() + e * width + t;
-            f16v a0 = load(o), a1 = load(o + width), a2 = load(o + 2 * width), a3 = load(o + 3 * width),
+            fvec a0 = load(o), a1 = load(o + width), a2 = load(o + 2 * width), a3 = load(o + 3 * width),
                  a4 = load(o + 4 * width), a5 = load(o + 5 * width), a6 = load(o + 6 * width), a7 = load(o + 7 * width);
             for (int64_t p = p0; p < p1; ++p) {
               const float* value = rows_v[p - p0] + e;
-              const f16v w = load(scores.data() + p * width + t);
+              const fvec w = load(scores.data() + p * width + t);
               a0 += w * value[0]; a1 += w * value[1]; a2 += w * value[2]; a3 += w * value[3];
               a4 += w * value[4]; a5 += w * value[5]; a6 += w * value[6]; a7 += w * value[7];
             }
@@ -235,7 +235,7 @@ void silu_mul_rows(const T* gate_up, int64_t rows, int64_t half, T* out) {
       const int64_t lanes = std::min(kLanes, half - e);
       if constexpr (std::is_same_v<T, float>) {
         if (lanes == kLanes) {  // whole float32 vectors straight from and to memory: 6x fewer instructions
-          const f16v x = load(g + e);
+          const fvec x = load(g + e);
           store(o + e, x / (1.f + vexp(-x)) * load(g + half + e));
           continue;
         }
@@ -244,7 +244,7 @@ void silu_mul_rows(const T* gate_up, int64_t rows, int64_t half, T* out) {
         gate[l] = l < lanes ? static_cast<float>(g[e + l]) : 0.f;
         up[l] = l < lanes ? static_cast<float>(g[half + e + l]) : 0.f;
       }
-      const f16v x = load(gate);
+      const fvec x = load(gate);
       store(result, x / (1.f + vexp(-x)) * load(up));
       for (int64_t l = 0; l < lanes; ++l) o[e + l] = static_cast<T>(result[l]);
     }
@@ -368,9 +368,9 @@ inline void write_context_kv(torch::Tensor keys_raw, torch::Tensor values_raw, t
 // The first index of the maximum of row[0, vocab) (argmax's answer; NaNs are skipped), and the maximum.
 inline int64_t first_max(const float* row, int64_t vocab, float* most_out) {
   const int64_t whole = vocab / kLanes * kLanes;
-  f16v lane_max = splat(-std::numeric_limits<float>::infinity());
+  fvec lane_max = splat(-std::numeric_limits<float>::infinity());
   for (int64_t e = 0; e < whole; e += kLanes) {
-    const f16v x = load(row + e);
+    const fvec x = load(row + e);
     lane_max = x > lane_max ? x : lane_max;
   }
   float most = -std::numeric_limits<float>::infinity();
@@ -433,7 +433,7 @@ inline std::vector<torch::Tensor> greedy_peak(torch::Tensor logits) {
     const float* row = lp + r * vocab;
     float most;
     const int64_t index = first_max(row, vocab, &most);
-    f16v lane_sum{};
+    fvec lane_sum{};
     for (int64_t e = 0; e < whole; e += kLanes) lane_sum += vexp(load(row + e) - most);
     float total = 0.f;
     for (int64_t l = 0; l < kLanes; ++l) total += lane_sum[l];

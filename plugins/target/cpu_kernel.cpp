@@ -33,43 +33,47 @@ namespace {
 
 using namespace dflash_vec;
 using dflash_vec::load;  // beside the bf16 overload below (an overload here would hide it otherwise)
-typedef uint32_t u16x32 __attribute__((vector_size(64)));
-typedef uint16_t bf16x16u __attribute__((vector_size(32), aligned(2)));
-constexpr int kRows = 4;     // rows sharing one pass over a weight tile
-constexpr int kVectors = 4;  // a tile's columns, in vectors
+constexpr int64_t kTile = 64;  // a weight tile's columns (int8 experts are stored tile by tile: cpu.py `TILE`)
+constexpr int64_t kTail = kSizeMultiple;  // the columns of the tiles after the last whole one (cpu.py `LANES`)
 constexpr int64_t kAhead = 16;  // weight rows a tile prefetches ahead
-
-inline f16v load(const uint16_t* p) {  // bf16 -> float32: the bits moved to the top half
-  const u16x32 wide = __builtin_convertvector(*reinterpret_cast<const bf16x16u*>(p), u16x32) << 16;
-  return reinterpret_cast<f16v>(wide);
-}
-
-typedef int8_t i8x16u __attribute__((vector_size(16), aligned(1)));
-
-inline f16v load(const int8_t* p) {  // int8 -> float32, exactly
+// A GEMM pass: kRows rows times kPassColumns columns of accumulators, held in registers with the pass's weights
 #if defined(__AVX512F__)
-  return reinterpret_cast<f16v>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+constexpr int kRows = 4;
+constexpr int64_t kPassColumns = 64;  // 16 accumulators, 4 weights of 32 registers
 #else
-  return __builtin_convertvector(*reinterpret_cast<const i8x16u*>(p), f16v);
+constexpr int kRows = 2;
+constexpr int64_t kPassColumns = 32;  // 8 accumulators, 4 weights of 16 (AVX2; 4 rows or 64 columns spilled, round 23)
+#endif
+typedef uint32_t uvec __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t bf16vec_u __attribute__((vector_size(kLanes * 2), aligned(2)));
+
+inline fvec load(const uint16_t* p) {  // bf16 -> float32: the bits moved to the top half
+  return reinterpret_cast<fvec>(__builtin_convertvector(*reinterpret_cast<const bf16vec_u*>(p), uvec) << 16);
+}
+inline fvec load(const int8_t* p) {  // int8 -> float32, exactly
+#if defined(__AVX512F__)
+  return reinterpret_cast<fvec>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#else
+  return reinterpret_cast<fvec>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
 #endif
 }
 
-// y[r][c0 : c0 + 16 NV] = x[r] @ w[:, c0 : c0 + 16 NV] (+ bias) for NR rows: one pass over the weight tile,
-// NR x NV accumulators in registers. `w` points at the tile's first column, input rows `ld` apart: the matrix's
-// width, or the tile's own where the matrix is stored tile by tile (`tile_major`).
+// y[r][c0 : c0 + NV kLanes] = x[r] @ w[:, c0 : ...] (+ bias) for NR rows: one pass over the weight tile, NR x NV
+// accumulators in registers. `w` points at the tile's first column, input rows `ld` apart: the matrix's width, or
+// the tile's own where the matrix is stored tile by tile (`tile_major`).
 template <int NR, int NV, typename W>
 void tile(const float* const* x, int64_t in, const W* w, int64_t ld, const float* bias, float* const* y, int64_t c0) {
-  f16v acc[NR][NV] = {};
+  fvec acc[NR][NV] = {};
   constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line
   for (int64_t h = 0; h < in; ++h) {
     // a tile reads one short run per weight row, rows `ld` apart: fetch a few rows ahead, which the hardware
     // prefetcher does not do for such strides (a lone token's experts come from memory: -35% of their time)
     for (int64_t e = 0; e < NV * kLanes; e += kLine) __builtin_prefetch(w + (h + kAhead) * ld + e);
-    f16v wv[NV];
+    fvec wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = load(w + h * ld + v * kLanes);
     for (int r = 0; r < NR; ++r) {
-      const f16v xs = splat(x[r][h]);
-      for (int v = 0; v < NV; ++v) acc[r][v] += xs * wv[v];
+      const fvec xs = splat(x[r][h]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(xs, wv[v], acc[r][v]);
     }
   }
   for (int r = 0; r < NR; ++r)
@@ -78,15 +82,13 @@ void tile(const float* const* x, int64_t in, const W* w, int64_t ld, const float
 }
 
 // One column tile for every row, kRows rows at a time (the tile stays in cache between row blocks).
-template <int NV, typename W>
+template <int NV, int NR = kRows, typename W>
 void rows_tile(const float* const* x, int64_t rows, int64_t in, const W* w, int64_t ld, const float* bias,
                float* const* y, int64_t c0) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) switch (std::min<int64_t>(kRows, rows - r0)) {
-      case 4: tile<4, NV>(x + r0, in, w, ld, bias, y + r0, c0); break;
-      case 3: tile<3, NV>(x + r0, in, w, ld, bias, y + r0, c0); break;
-      case 2: tile<2, NV>(x + r0, in, w, ld, bias, y + r0, c0); break;
-      default: tile<1, NV>(x + r0, in, w, ld, bias, y + r0, c0); break;
-    }
+  int64_t r0 = 0;
+  for (; r0 + NR <= rows; r0 += NR) tile<NR, NV>(x + r0, in, w, ld, bias, y + r0, c0);
+  if constexpr (NR > 1)
+    if (r0 < rows) rows_tile<NV, NR - 1>(x + r0, rows - r0, in, w, ld, bias, y + r0, c0);
 }
 
 // Rows x[r] [in] (any addresses) times w [in, out] plus bias [out] (or none) -> y[r] [out], columns
@@ -96,14 +98,17 @@ void rows_tile(const float* const* x, int64_t rows, int64_t in, const W* w, int6
 template <typename W>
 void linear_rows(const float* const* x, int64_t rows, int64_t in, const W* w, int64_t out, const float* bias,
                  float* const* y, int64_t c_begin, int64_t c_end, bool tile_major = false) {
-  const auto at = [&](int64_t c0, int64_t width, auto kind) {  // the tile's first weight and row stride
-    rows_tile<decltype(kind)::value>(x, rows, in, tile_major ? w + c0 * in : w + c0, tile_major ? width : out, bias,
-                                     y, c0);
+  const auto at = [&](int64_t c0, int64_t width) {  // a tile: its first weight, its row stride, its passes
+    const W* first = tile_major ? w + c0 * in : w + c0;
+    const int64_t ld = tile_major ? width : out;
+    int64_t v = 0;
+    for (; v + kPassColumns <= width; v += kPassColumns)
+      rows_tile<kPassColumns / kLanes>(x, rows, in, first + v, ld, bias, y, c0 + v);
+    for (; v < width; v += kLanes) rows_tile<1>(x, rows, in, first + v, ld, bias, y, c0 + v);
   };
   int64_t c0 = c_begin;
-  for (; c0 + kVectors * kLanes <= c_end; c0 += kVectors * kLanes)
-    at(c0, kVectors * kLanes, std::integral_constant<int, kVectors>{});
-  for (; c0 < c_end; c0 += kLanes) at(c0, kLanes, std::integral_constant<int, 1>{});
+  for (; c0 + kTile <= c_end; c0 += kTile) at(c0, kTile);
+  for (; c0 < c_end; c0 += kTail) at(c0, kTail);
 }
 
 // The same on AMX tiles (`amx_gemm.h`; `tile_major` does not apply: the tiles are their own layout).
@@ -121,7 +126,7 @@ void clamped_swiglu(const float* gate_up, int64_t inter, float alpha, float limi
     up[i] = gate_up[2 * i + 1];
   }
   for (int64_t i = 0; i < inter; i += kLanes) {
-    f16v g = load(gate + i), u = load(up + i);
+    fvec g = load(gate + i), u = load(up + i);
     g = g > limit ? splat(limit) : g;
     u = u > limit ? splat(limit) : u;
     u = u < -limit ? splat(-limit) : u;
@@ -172,7 +177,7 @@ void run_expert(const float* xp, const float* sp, const std::vector<int64_t>& ro
   }
   linear_rows(act_rows.data(), rows, inter, dn, hidden, dnb, out_rows.data(), 0, hidden, tile_major);
   for (int64_t r = 0; r < rows; ++r) {
-    const f16v score = splat(sp[routed[r]]);
+    const fvec score = splat(sp[routed[r]]);
     for (int64_t c = 0; c < hidden; c += kLanes) store(out_rows[r] + c, load(out_rows[r] + c) * score);
   }
 }
@@ -199,21 +204,11 @@ void run_experts(const float* xp, const int64_t* ip, const float* sp, int64_t n,
 
 // ---- Attention -------------------------------------------------------------------------------------------
 
-// The sum of a vector's lanes as a tree (a sequential sum would chain 16 dependent adds).
-inline float lane_sum(f16v v) {
-  typedef float f8v __attribute__((vector_size(32)));
-  typedef float f4v __attribute__((vector_size(16)));
-  const f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-// out[e0 : e0 + 16 N] = sum over keys k of weights[k] * value[k][e0 : ...] / total: N accumulators, one pass.
+// out[e0 : e0 + kLanes N] = sum over keys k of weights[k] * value[k][e0 : ...] / total: N accumulators, one pass.
 template <int N>
 void weighted_values(const float* weights, const float* value, int64_t count, int64_t d, int64_t e0, float total,
                      float* out) {
-  f16v acc[N] = {};
+  fvec acc[N] = {};
   for (int64_t k = 0; k < count; ++k)
     for (int n = 0; n < N; ++n) acc[n] += weights[k] * load(value + k * d + e0 + n * kLanes);
   for (int n = 0; n < N; ++n) store(out + e0 + n * kLanes, acc[n] / total);
@@ -231,7 +226,7 @@ std::vector<torch::Tensor> route(torch::Tensor x, torch::Tensor weight, torch::T
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32 &&
                   bias.scalar_type() == torch::kFloat32, "x, weight and bias must be float32");
   TORCH_CHECK(weight.size(1) == hidden && bias.size(0) == experts, "weight must be [E, H] and bias [E]");
-  TORCH_CHECK(hidden % kLanes == 0, "the hidden size must be a multiple of ", kLanes);
+  TORCH_CHECK(hidden % kTail == 0, "the hidden size must be a multiple of ", kTail);
   TORCH_CHECK(top_k >= 1 && top_k <= experts, "top_k must lie in [1, E]");
   auto indices = torch::empty({n, top_k}, x.options().dtype(torch::kInt64));
   auto scores = torch::empty({n, top_k}, x.options());
@@ -242,7 +237,7 @@ std::vector<torch::Tensor> route(torch::Tensor x, torch::Tensor weight, torch::T
   std::vector<int64_t> order(experts);
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t e = 0; e < experts; ++e) {
-      f16v acc{};
+      fvec acc{};
       for (int64_t c = 0; c < hidden; c += kLanes) acc += load(xp + t * hidden + c) * load(wp + e * hidden + c);
       logits[e] = lane_sum(acc) + bp[e];
       order[e] = e;
@@ -294,8 +289,8 @@ torch::Tensor routed_experts(torch::Tensor x, torch::Tensor indices, torch::Tens
                   down.size(2) == hidden && gate_up_bias.size(0) == experts && gate_up_bias.size(1) == 2 * inter &&
                   down_bias.size(0) == experts && down_bias.size(1) == hidden,
               "expert shapes must be gate_up [E, H, 2I], down [E, I, H], biases [E, 2I] and [E, H]");
-  TORCH_CHECK(hidden % kLanes == 0 && inter % kLanes == 0, "hidden and intermediate sizes must be multiples of ",
-              kLanes);
+  TORCH_CHECK(hidden % kTail == 0 && inter % kTail == 0, "hidden and intermediate sizes must be multiples of ",
+              kTail);
   TORCH_CHECK(!tiles || (kind == torch::kBFloat16 && hidden % dflash_amx::kTileK == 0 &&
                           inter % dflash_amx::kTileK == 0 && dflash_amx::available()),
               "AMX tiles need bf16 experts, H and I multiples of 32 and a CPU with AMX-BF16");
@@ -367,7 +362,7 @@ torch::Tensor sink_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor
               "keys / values must be float32 [b, Hkv, S, D], contiguous");
   const int64_t batch = qkv.size(0), t = qkv.size(1), hkv = keys.size(1), capacity = keys.size(2), d = keys.size(3);
   TORCH_CHECK(keys.size(0) == batch, "the arena must have qkv's batch");
-  TORCH_CHECK(d % kLanes == 0, "head_dim must be a multiple of ", kLanes, ", got ", d);
+  TORCH_CHECK(d % kSizeMultiple == 0, "head_dim must be a multiple of ", kSizeMultiple, ", got ", d);
   TORCH_CHECK(qkv.size(2) % d == 0 && qkv.size(2) / d > 2 * hkv && (qkv.size(2) / d - 2 * hkv) % hkv == 0,
               "qkv's width must be (Hq + 2 Hkv) * D with Hq a multiple of Hkv");
   const int64_t hq = qkv.size(2) / d - 2 * hkv, group = hq / hkv, width = qkv.size(2);
@@ -417,16 +412,16 @@ torch::Tensor sink_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor
         const float* value = vp + ((i * hkv + h) * capacity + first) * d;
         float most = sp ? sp[head] : -std::numeric_limits<float>::infinity();
         for (int64_t k = 0; k < count; ++k) {
-          f16v acc = load(q.data()) * load(key + k * d);
+          fvec acc = load(q.data()) * load(key + k * d);
           for (int64_t e = kLanes; e < d; e += kLanes) acc += load(q.data() + e) * load(key + k * d + e);
           scores[k] = lane_sum(acc) * fscale;
           most = std::max(most, scores[k]);
         }
         float total = sp ? std::exp(sp[head] - most) : 0.f;
         int64_t k = 0;
-        f16v lanes{};
+        fvec lanes{};
         for (; k + kLanes <= count; k += kLanes) {
-          const f16v e = vexp(load(scores.data() + k) - most);
+          const fvec e = vexp(load(scores.data() + k) - most);
           store(scores.data() + k, e);
           lanes += e;
         }
@@ -455,7 +450,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch:
               "weight must be a contiguous float32 or bf16 CPU tensor [in, out]");
   const int64_t in = weight.size(0), out = weight.size(1);
   TORCH_CHECK(x.size(-1) == in, "x's last dimension must be weight's first");
-  TORCH_CHECK(out % kLanes == 0, "the output width must be a multiple of ", kLanes);
+  TORCH_CHECK(out % kTail == 0, "the output width must be a multiple of ", kTail);
   TORCH_CHECK(!tiles || (weight.scalar_type() == torch::kBFloat16 && in % dflash_amx::kTileK == 0 &&
                          dflash_amx::available()),
               "AMX tiles need a bf16 weight, in a multiple of 32 and a CPU with AMX-BF16");
@@ -475,16 +470,16 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch:
     x_rows[r] = x.data_ptr<float>() + r * in;
     y_rows[r] = y.data_ptr<float>() + r * out;
   }
-  at::parallel_for(0, out / kLanes, 256 / kLanes, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, out / kTail, 256 / kTail, [&](int64_t first, int64_t last) {
     if (tiles)
       linear_rows(x_rows.data(), rows, in, dflash_amx::Tiles{static_cast<const uint16_t*>(weight.data_ptr())}, out, bp,
-                  y_rows.data(), first * kLanes, last * kLanes);
+                  y_rows.data(), first * kTail, last * kTail);
     else if (weight.scalar_type() == torch::kFloat32)
-      linear_rows(x_rows.data(), rows, in, weight.data_ptr<float>(), out, bp, y_rows.data(), first * kLanes,
-                  last * kLanes);
+      linear_rows(x_rows.data(), rows, in, weight.data_ptr<float>(), out, bp, y_rows.data(), first * kTail,
+                  last * kTail);
     else
       linear_rows(x_rows.data(), rows, in, reinterpret_cast<const uint16_t*>(weight.data_ptr()), out, bp,
-                  y_rows.data(), first * kLanes, last * kLanes);
+                  y_rows.data(), first * kTail, last * kTail);
   });
   return y;
 }
