@@ -110,8 +110,10 @@ def test_cast_linear_without_onednn_uses_a_bf16_weight_copy(monkeypatch):
 def test_a_narrower_gemm_dtype_serves_only_large_weights_except_fbgemms_float16(monkeypatch):
     """A small GEMM is bound by the call, not by reading its weight: without oneDNN's packing bf16 serves
     only large ones; a small one keeps its dtype, or takes fbgemm's float16 where it runs, which pays at
-    every size. Where oneDNN packs bf16, every size takes it (its few-row calls go to a copy)."""
+    every size. Where oneDNN packs bf16, every size takes it (its few-row calls go to a copy), and so where the
+    compiled dot GEMM runs."""
     large, small = torch.empty(NARROW_MIN_WEIGHTS // 256, 256), torch.empty(1024, 256)
+    monkeypatch.setattr(draft_cpu, "dot_kernel", lambda dtype=torch.bfloat16: None)
     monkeypatch.setattr(linear, "onednn_packs", lambda dtype, device: True)
     assert gemm_dtype(small, torch.bfloat16) == torch.bfloat16
     monkeypatch.setattr(linear, "onednn_packs", lambda dtype, device: False)
@@ -127,6 +129,9 @@ def test_a_narrower_gemm_dtype_serves_only_large_weights_except_fbgemms_float16(
     assert gemm_dtype(small, torch.float16) == gemm_dtype(large, torch.float16) == torch.float16
     assert gemm_dtype(small, None) == torch.float32
     assert gemm_dtype(small.to("meta"), torch.float16) == torch.float32  # not a CPU: no fbgemm
+    monkeypatch.setattr(draft_cpu, "dot_kernel", lambda dtype=torch.bfloat16: object())
+    assert gemm_dtype(small, torch.bfloat16) == torch.bfloat16
+    assert gemm_dtype(small.to("meta"), torch.bfloat16) == torch.float32  # the dot GEMM takes CPU weights only
 
 
 def test_fits_half_admits_what_float16_holds_to_float32_accuracy():
@@ -215,13 +220,14 @@ def test_target_lm_head_keeps_gradients_for_training(half):
     assert hidden.grad is not None and hidden.grad.abs().sum() > 0
 
 
-def test_the_dot_gemm_is_built_exactly_where_the_cpu_has_avx512_bf16(monkeypatch):
-    """The kernels' module (built with -march=native) has the dot GEMM exactly where /proc/cpuinfo lists
-    avx512_bf16, and its int8 one where it lists avx512_vnni; where it has none, a bf16 GEMM keeps oneDNN's path (or F.linear on the copy where oneDNN does not
+def test_the_dot_gemm_is_built_exactly_where_the_cpu_has_avx512_bf16_or_avx2(monkeypatch):
+    """The kernels' module (built with -march=native) has the bf16 dot GEMM exactly where /proc/cpuinfo lists
+    avx512_bf16 or avx2 and fma, and its int8 one where it lists avx512_vnni; where it has none, a bf16 GEMM keeps oneDNN's path (or F.linear on the copy where oneDNN does not
     pack)."""
     module = draft_cpu.cpu_kernel()
     if module is not None:
-        assert bool(module.dot_available()) == ("avx512_bf16" in cpu_flags().split())
+        flags = cpu_flags().split()
+        assert bool(module.dot_available()) == ("avx512_bf16" in flags or {"avx2", "fma"} <= set(flags))
         assert bool(module.dot_int8_available()) == ("avx512_vnni" in cpu_flags().split())
     monkeypatch.setattr(draft_cpu.KERNEL, "module",
                         lambda: SimpleNamespace(dot_available=lambda: False, dot_int8_available=lambda: False))

@@ -106,8 +106,8 @@ DOT_DTYPES = (torch.bfloat16, torch.int8)  # the products the dot GEMM has
 
 def dot_kernel(dtype: torch.dtype = torch.bfloat16):
     """The compiled module where it has the GEMM with `dtype` products (`dot_gemm.h`: bf16 on a CPU with
-    AVX512-BF16, int8 on one with AVX512-VNNI; the source built), else None. (Built with -march=native, the module
-    has a GEMM exactly where the CPU has its instruction.)"""
+    AVX512-BF16, or through FMAs on one with AVX2 and FMA; int8 on one with AVX512-VNNI; the source built), else None.
+    (Built with -march=native, the module has a GEMM exactly where the CPU has its instructions.)"""
     module = cpu_kernel()
     if module is None or dtype not in DOT_DTYPES:
         return None

@@ -1,5 +1,5 @@
 // The drafter's CPU kernels as one extension module (plugins/draft_block/cpu.py builds and loads this file): the draft
-// step's float32 ops between GEMMs (draft_ops.h), the AVX512 bf16 and int8 GEMMs (dot_gemm.h), and `DraftStep`, a whole
+// step's float32 ops between GEMMs (draft_ops.h), the bf16 and int8 GEMMs (dot_gemm.h), and `DraftStep`, a whole
 // drafter step in one call.
 //
 // Why a whole step: with each GEMM and op compiled, a lone request's drafter step still made ~25 calls from Python,
@@ -170,10 +170,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add and RMSNorm (float32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("draft_block_attention", &draft_block_attention, "draft-block attention on CPU (float32)");
-  m.def("dot_available", &dot_available, "whether this build has the AVX512-BF16 GEMM");
+  m.def("dot_available", &dot_available, "whether this build has the bf16 GEMM (AVX512-BF16, or FMAs on AVX2)");
   m.def("dot_int8_available", &dot_int8_available, "whether this build has the AVX512-VNNI int8 GEMM");
   m.def("dot_linear", &dot_linear,
-        "x @ W.T + bias through AVX512 dot products (bf16 or int8 products as the packed weight's dtype says)");
+        "x @ W.T + bias from bf16 or int8 products (as the packed weight's dtype says), float32 sums");
   pybind11::class_<DraftStep>(m, "DraftStep")
       .def(pybind11::init<PackedLinear, PackedLinear, std::vector<PackedLinear>, std::vector<PackedLinear>,
                           std::vector<PackedLinear>, std::vector<PackedLinear>, PackedLinear, torch::Tensor, torch::Tensor,

@@ -5,7 +5,8 @@
 // than its arithmetic and fbgemm's float16 one multiplies at float32's rate. A call here costs a few microseconds,
 // and its products are narrower than float32's: drafts need not be exact (the target verifies them).
 // - bf16 (AVX512-BF16): `vdpbf16ps` multiplies bf16 pairs into float32 sums at twice the FMA's rate; the inputs are
-//   rounded to bf16 (nearest even) per call, the weights are bf16 copies.
+//   rounded to bf16 (nearest even) per call, the weights are bf16 copies. On an AVX2 CPU the same products (exact in
+//   float32) go through FMAs (`fma_multiply`), so the drafter's whole compiled step runs there too.
 // - int8 (AVX512-VNNI): `vpdpbusd` multiplies groups of four bytes into int32 sums at twice bf16's rate again, from
 //   half its weight bytes. Each input row is quantized per call, symmetrically to [-127, 127] with its own scale;
 //   each output column's weights once, with theirs, and stored offset by +128 (the instruction takes one unsigned
@@ -32,6 +33,9 @@ constexpr int64_t kGroup = 16;  // output columns per packed group (one vector o
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kBuilt = true;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr bool kBuilt = true;  // the same GEMM through FMAs (`fma_multiply`)
+#define DFLASH_BF16_BY_FMA 1
 #else
 constexpr bool kBuilt = false;
 #endif
@@ -186,9 +190,76 @@ void multiply(int64_t rows, const uint32_t* x, int64_t words, const uint32_t* w,
 
 #endif
 
+#if defined(DFLASH_BF16_BY_FMA)
+// The bf16 GEMM where the CPU has no bf16 dot product (AVX2): the same products, each exact in float32 (8-bit
+// mantissas), summed by FMAs into float32 at the FMA's rate instead of twice it. The packed layout is the AVX512
+// kernel's: a word holds inputs 2p (low half) and 2p + 1 (high half) of one column, widened by a shift and a mask.
+
+// x [in] float32 -> the same rounded to bf16 (nearest even; a NaN may come back as an infinity), kept as float32.
+inline void to_bf16_floats(const float* x, int64_t in, float* out) {
+  const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1), high = _mm256_set1_epi32(-65536);
+  for (int64_t i = 0; i < in; i += 8) {
+    const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(x + i));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+    const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(bias, odd)), high);
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(rounded));
+  }
+}
+
+// y[r][col : col + 16] for NR rows from one packed group (`pairs` words per column, 16 columns a pair): 2 x NR sums
+// of 8 columns in registers. (Separate sums for the even and the odd inputs, to halve each sum's chain of dependent
+// FMAs, spilled 3 rows' 12 sums and ran at half the rate, round 23.)
+template <int NR>
+void fma_tile(const float* x, int64_t in, const uint32_t* w, int64_t pairs, const float* bias, int64_t col, float* y,
+              int64_t out) {
+  __m256 acc[NR][2];
+  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(-65536);
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int h = 0; h < 2; ++h) {
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * kGroup + h * 8));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(words, high));
+      for (int r = 0; r < NR; ++r) {
+        acc[r][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * in + 2 * p), even, acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * in + 2 * p + 1), odd, acc[r][h]);
+      }
+    }
+  for (int r = 0; r < NR; ++r)
+    for (int h = 0; h < 2; ++h) {
+      __m256 v = acc[r][h];
+      if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + col + h * 8));
+      _mm256_storeu_ps(y + r * out + col + h * 8, v);
+    }
+}
+
+// Every row of x (bf16-rounded float32 rows of `in`) times the packed weight: each thread a span of column groups,
+// 8 groups at a time for all rows, 4 rows at a time (the chunk's weights stay in cache for the next rows).
+inline void fma_multiply(int64_t rows, const float* x, int64_t in, const uint32_t* w, const float* bias, float* y,
+                         int64_t out) {
+  const int64_t pairs = in / 2;
+  at::parallel_for(0, out / kGroup, 8, [&](int64_t first, int64_t last) {
+    for (int64_t chunk = first; chunk < last; chunk += 8)
+      for (int64_t r = 0; r < rows; r += 4)
+        for (int64_t g = chunk; g < std::min(chunk + 8, last); ++g) {
+          const float* xr = x + r * in;
+          const uint32_t* wg = w + g * pairs * kGroup;
+          float* yr = y + r * out;
+          switch (std::min<int64_t>(4, rows - r)) {
+            case 4: fma_tile<4>(xr, in, wg, pairs, bias, g * kGroup, yr, out); break;
+            case 3: fma_tile<3>(xr, in, wg, pairs, bias, g * kGroup, yr, out); break;
+            case 2: fma_tile<2>(xr, in, wg, pairs, bias, g * kGroup, yr, out); break;
+            default: fma_tile<1>(xr, in, wg, pairs, bias, g * kGroup, yr, out); break;
+          }
+        }
+  });
+}
+#endif
+
 }  // namespace dflash_dot
 
-// Whether this build has the bf16 / int8 GEMM (built with -march=native: a CPU with AVX512-BF16 / AVX512-VNNI);
+// Whether this build has the bf16 / int8 GEMM (built with -march=native: a CPU with AVX512-BF16 or AVX2 and FMA /
+// AVX512-VNNI);
 // `dot_linear` raises where not.
 inline bool dot_available() { return dflash_dot::kBuilt; }
 inline bool dot_int8_available() { return dflash_dot::kInt8Built; }
@@ -227,12 +298,12 @@ inline torch::Tensor dot_linear(const torch::Tensor& x, const torch::Tensor& pac
   sizes.back() = out;
   auto y = torch::empty(sizes, x.options());
   const int64_t rows = x.numel() / std::max<int64_t>(in, 1), words = in / per_word;
-  std::vector<uint32_t> x_words(rows * words);
   const float* xp = x.data_ptr<float>();
   const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr());
   float* yp = y.data_ptr<float>();
   if (int8) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    std::vector<uint32_t> x_words(rows * words);
     std::vector<float> row_scale(rows);
     std::vector<int32_t> row_offset(rows);
     for (int64_t r = 0; r < rows; ++r)
@@ -243,8 +314,13 @@ inline torch::Tensor dot_linear(const torch::Tensor& x, const torch::Tensor& pac
 #endif
   } else {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
+    std::vector<uint32_t> x_words(rows * words);
     for (int64_t r = 0; r < rows; ++r) to_pairs(xp + r * in, in, x_words.data() + r * words);
     multiply<Bf16Products>(rows, x_words.data(), words, w, e, yp, out);
+#elif defined(DFLASH_BF16_BY_FMA)
+    std::vector<float> rounded(rows * in);
+    for (int64_t r = 0; r < rows; ++r) to_bf16_floats(xp + r * in, in, rounded.data() + r * in);
+    fma_multiply(rows, rounded.data(), in, w, e.bias, yp, out);
 #endif
   }
   return y;

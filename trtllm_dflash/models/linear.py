@@ -32,7 +32,8 @@ float32 inputs, products and sums. Two uses:
   rows there (round 10). The drafter's weights are bf16 at heart, which float16 holds (down to 6e-5).
 Where the CPU has AVX512-BF16 and the compiled kernel builds (plugins/draft_block/dot_gemm.h), a bf16 GEMM is
 that kernel's at every row count instead (`CastLinear.dot`): inputs rounded to bf16, `vdpbf16ps` products and float32
-sums at twice the FMA's rate, a few microseconds a call. On the AVX512 AMD EPYC VM it took a drafter GEMM at 8 rows
+sums at twice the FMA's rate, a few microseconds a call. On an AVX2 CPU the kernel makes the same products with FMAs
+at float32's rate, for the calls' few microseconds and the whole compiled drafter step (round 23). On the AVX512 AMD EPYC VM it took a drafter GEMM at 8 rows
 from 24-59 us (fbgemm's float16) and 20-38 us (oneDNN's bf16) to 6-20 us, the 7-row LM head from 185 and 102 to
 77 us, and the drafter step inside the loop from 1.03 to 0.75 ms (round 18). The oneDNN and few-row paths above
 serve where it does not run.
@@ -134,14 +135,17 @@ def native_bf16(device: torch.device) -> bool:
 
 
 def gemm_dtype(weight: torch.Tensor, wanted: torch.dtype | None) -> torch.dtype:
-    """The dtype of a GEMM over `weight` when `wanted` is asked (None: the weight's own): fbgemm's float16
-    at any size; bf16 at any size where oneDNN packs it (`CastLinear` hands its few-row calls to a copy);
+    """The dtype of a GEMM over `weight` when `wanted` is asked (None: the weight's own): the compiled dot GEMM's bf16
+    or int8 at any size where it takes the weight; fbgemm's float16 at any size; bf16 at any size where oneDNN packs it
+    (`CastLinear` hands its few-row calls to a copy);
     another narrower dtype only for a weight of at least `NARROW_MIN_WEIGHTS`, a smaller one in fbgemm's
     float16 where it runs, else in its own dtype (see the module's docstring)."""
     if wanted is None:
         return weight.dtype
+    if wanted in draft_cpu.DOT_DTYPES and draft_cpu.dot_serves(weight, wanted):
+        return wanted  # the compiled dot GEMM, at every size
     if wanted == torch.int8:  # only the compiled AVX512-VNNI GEMM multiplies int8; else the bf16 it stands in for
-        return wanted if draft_cpu.dot_serves(weight, wanted) else gemm_dtype(weight, torch.bfloat16)
+        return gemm_dtype(weight, torch.bfloat16)
     if half_weights(wanted, weight.device) or wanted.itemsize >= weight.dtype.itemsize:
         return wanted
     if weight.numel() >= NARROW_MIN_WEIGHTS or onednn_packs(wanted, weight.device):
@@ -229,7 +233,9 @@ def drafter_gemm_dtype(choice: str, model_dtype: torch.dtype, device: torch.devi
     the dtype of the drafter step's GEMMs where `gemm_dtype` admits it.
     auto, for a float32 drafter: int8 where the compiled AVX512-VNNI GEMM runs (a CPU with it: the drafter step in
     0.74x bf16's time inside the loop, pooled tau within 0.01 on the embedded pair, round 19), else bfloat16 where
-    bf16 GEMMs are native here, else float16 where fbgemm's fp16-weight GEMM runs (x86 CPUs), else the model's dtype.
+    the compiled bf16 GEMM runs (AVX512-BF16, or FMAs on AVX2: then the whole drafter step is one compiled call,
+    round 23) or bf16 GEMMs are native here, else float16 where fbgemm's fp16-weight GEMM runs (x86 CPUs), else the
+    model's dtype.
     int8 runs only in that GEMM: asked for on a CPU without it (or on CUDA), it is an `InputError`."""
     int8_runs = device.type == "cpu" and draft_cpu.dot_kernel(torch.int8) is not None
     if choice == "auto":
@@ -237,7 +243,7 @@ def drafter_gemm_dtype(choice: str, model_dtype: torch.dtype, device: torch.devi
             return None
         if int8_runs:
             return torch.int8
-        if native_bf16(device):
+        if native_bf16(device) or (device.type == "cpu" and draft_cpu.dot_kernel(torch.bfloat16) is not None):
             return torch.bfloat16
         return torch.float16 if half_weights(torch.float16, device) else None
     if choice == "int8" and not int8_runs:
