@@ -62,8 +62,9 @@ class DFlashProposer:
     gives each (bf16: the LM head, 4 MB in float32, and the rest in fbgemm's float16 where it runs,
     else in the drafter's own; float16: all): drafts need not be exact (the target verifies them;
     sampled drafts carry the q they were drawn from). Where the target's own head serves the dtype (its
-    fbgemm copy, `GptOssTarget.head`), the drafter's logits come from it. On a CPU with AVX512-BF16 every bf16
-    GEMM, the LM head's copy included, is the compiled dot-product GEMM (`CastLinear.dot`) at any row count.
+    fbgemm copy, `GptOssTarget.head`), the drafter's logits come from it. On a CPU with AVX512-BF16, or AVX2 and
+    FMA, every bf16 GEMM, the LM head's copy included, is the compiled dot-product GEMM (`CastLinear.dot`) at any row
+    count.
     """
 
     needs_history = False
