@@ -226,7 +226,7 @@ std::vector<torch::Tensor> route(torch::Tensor x, torch::Tensor weight, torch::T
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32 &&
                   bias.scalar_type() == torch::kFloat32, "x, weight and bias must be float32");
   TORCH_CHECK(weight.size(1) == hidden && bias.size(0) == experts, "weight must be [E, H] and bias [E]");
-  TORCH_CHECK(hidden % kTail == 0, "the hidden size must be a multiple of ", kTail);
+  TORCH_CHECK(hidden % kSizeMultiple == 0, "the hidden size must be a multiple of ", kSizeMultiple);
   TORCH_CHECK(top_k >= 1 && top_k <= experts, "top_k must lie in [1, E]");
   auto indices = torch::empty({n, top_k}, x.options().dtype(torch::kInt64));
   auto scores = torch::empty({n, top_k}, x.options());
@@ -289,8 +289,8 @@ torch::Tensor routed_experts(torch::Tensor x, torch::Tensor indices, torch::Tens
                   down.size(2) == hidden && gate_up_bias.size(0) == experts && gate_up_bias.size(1) == 2 * inter &&
                   down_bias.size(0) == experts && down_bias.size(1) == hidden,
               "expert shapes must be gate_up [E, H, 2I], down [E, I, H], biases [E, 2I] and [E, H]");
-  TORCH_CHECK(hidden % kTail == 0 && inter % kTail == 0, "hidden and intermediate sizes must be multiples of ",
-              kTail);
+  TORCH_CHECK(hidden % kSizeMultiple == 0 && inter % kSizeMultiple == 0,
+              "hidden and intermediate sizes must be multiples of ", kSizeMultiple);
   TORCH_CHECK(!tiles || (kind == torch::kBFloat16 && hidden % dflash_amx::kTileK == 0 &&
                           inter % dflash_amx::kTileK == 0 && dflash_amx::available()),
               "AMX tiles need bf16 experts, H and I multiples of 32 and a CPU with AMX-BF16");

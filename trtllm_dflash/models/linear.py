@@ -33,9 +33,9 @@ float32 inputs, products and sums. Two uses:
 Where the CPU has AVX512-BF16 and the compiled kernel builds (plugins/draft_block/dot_gemm.h), a bf16 GEMM is
 that kernel's at every row count instead (`CastLinear.dot`): inputs rounded to bf16, `vdpbf16ps` products and float32
 sums at twice the FMA's rate, a few microseconds a call. On an AVX2 CPU the kernel makes the same products with FMAs
-at float32's rate, for the calls' few microseconds and the whole compiled drafter step (round 23). On the AVX512 AMD EPYC VM it took a drafter GEMM at 8 rows
-from 24-59 us (fbgemm's float16) and 20-38 us (oneDNN's bf16) to 6-20 us, the 7-row LM head from 185 and 102 to
-77 us, and the drafter step inside the loop from 1.03 to 0.75 ms (round 18). The oneDNN and few-row paths above
+at float32's rate, for the calls' few microseconds and the whole compiled drafter step (round 23). On the AVX512 AMD
+EPYC VM it took a drafter GEMM at 8 rows from 24-59 us (fbgemm's float16) and 20-38 us (oneDNN's bf16) to 6-20 us,
+the 7-row LM head from 185 and 102 to 77 us, and the drafter step inside the loop from 1.03 to 0.75 ms (round 18). The oneDNN and few-row paths above
 serve where it does not run.
 Elsewhere (CUDA) a GEMM is `F.linear` on the weight copy.
 """
