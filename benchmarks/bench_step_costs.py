@@ -19,10 +19,10 @@ projection at the run's mean tokens committed per step), at the GEMM rate this c
 arithmetic at that rate.
 
 Byte floors: the bytes a step must read (every weight it multiplies -- for the target's MoE only the
-experts its tokens route to, counted in the run by a hook on each router -- the LM head, and the
-K/V its attention reads at the mean context) at the rate this core streams a 64 MB fp32 tensor,
-measured here first. They are the time a step would take if it only had to read its operands once
-from memory. Above both floors, the rest is per-op and Python overhead.
+experts its tokens route to, counted by a hook on each router in an untimed run of the same loops -- the LM
+head, and the K/V its attention reads at the mean context) at the rate this core streams a 64 MB fp32 tensor,
+measured here first. They are the time a step would take if it only had to read its operands once from
+memory. Above both floors, the rest is per-op and Python overhead.
 """
 
 from __future__ import annotations
@@ -72,19 +72,26 @@ def nbytes(*modules: torch.nn.Module) -> int:
 
 
 class ExpertsTouched:
-    """Forward hooks on every router: per call with n routed tokens, how many distinct experts they
-    reach; `mean(n, layers)` is the mean over such calls times `layers`. Counts only while `on`
-    (our loop's steps, not `generate`'s)."""
+    """Per router call with n routed tokens, how many distinct experts they reach; `mean(n, layers)` is the mean
+    over such calls times `layers`. Counted in an untimed run of its own (`count`): a hooked router sends the
+    target's lean forward down its hook-aware path (`models.target.hooked`, the router as a module, the experts
+    outside their compiled call), which took twice the time of an AR step on an AVX2 VM (round 24), so no timed
+    run may carry the hooks."""
 
     def __init__(self, target: GptOssTarget):
+        self.routers = [layer.mlp.router for layer in target.hf.model.layers]
         self.counts: dict[int, list[int]] = {}
-        self.on = False
-        for layer in target.hf.model.layers:
-            layer.mlp.router.register_forward_hook(self.record)
+
+    def count(self, run) -> None:
+        """Call `run()` with a forward hook on every router, removed afterwards."""
+        handles = [router.register_forward_hook(self.record) for router in self.routers]
+        try:
+            run()
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def record(self, module, inputs, output) -> None:
-        if not self.on:
-            return
         indices = output[-1]
         self.counts.setdefault(indices.shape[0], []).append(int(indices.unique().numel()))
 
@@ -225,11 +232,10 @@ def main() -> None:
           f"mean_context={context:.0f} drafter_gemm_dtype={str(gemm or torch.float32).removeprefix('torch.')}")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         runs: dict[str, list[Run]] = {"ar": [], "dflash": [], "generate": []}
+        touched.count(lambda: [run_loop(runtime, prompts, params, batch) for runtime in (ar, dflash)])
         for _ in range(args.repeats):
-            touched.on = True
             for name, runtime in (("ar", ar), ("dflash", dflash)):
                 runs[name].append(run_loop(runtime, prompts, params, batch))
-            touched.on = False
             runs["generate"].append(run_generate(target.hf, prompts, args.max_tokens, batch, pad_id))
         reference = run_loop(ar, prompts, params, 1).outputs if batch > 1 else runs["ar"][0].outputs
         tau = statistics.median(r.tau for r in runs["dflash"])

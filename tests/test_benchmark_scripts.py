@@ -52,3 +52,34 @@ def test_benchmark_script_runs_to_its_report(script):
         assert len(re.findall(CASES[script][1][0], done.stdout, flags=re.MULTILINE)) == 17
     if script == "bench_drafter_quant":
         assert len(re.findall(CASES[script][1][0], done.stdout, flags=re.MULTILINE)) == 3
+
+
+def test_step_costs_counts_experts_in_a_run_of_its_own(monkeypatch):
+    """`bench_step_costs` counts the experts a step touches with hooks on the routers; a hooked router sends the
+    lean forward down its slower hook-aware path, so the hooks must be gone before any timed run (rounds 17-23
+    timed the hooked path)."""
+    import importlib.util
+
+    import torch
+
+    from trtllm_dflash.models.random_pair import random_target, tiny_target_config
+    from trtllm_dflash.models.target import GptOssTarget, hooked
+
+    spec = importlib.util.spec_from_file_location("bench_step_costs", BENCHMARKS / "bench_step_costs.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    target = GptOssTarget(random_target(tiny_target_config()))
+    touched = bench.ExpertsTouched(target)
+    seen_hooked = []
+
+    def run():
+        seen_hooked.append(all(hooked(router) for router in touched.routers))
+        with torch.inference_mode():
+            cache = target.new_cache(1, 8)
+            target(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], cache, [])
+
+    touched.count(run)
+    assert seen_hooked == [True]
+    assert not any(hooked(router) for router in touched.routers)
+    assert 1 <= touched.mean(3, 1) <= target.config.num_local_experts
