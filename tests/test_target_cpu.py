@@ -311,11 +311,52 @@ def test_attention_kernel_refuses_positions_outside_the_arena():
                                torch.tensor([[8]]), None, sinks, 0.25)
 
 
-amx = pytest.mark.skipif(not cpu.amx_available(), reason="no AMX-BF16 on this CPU (or the kernel's build lacks it)")
-
-
 def bf16_exact(*shape: int, seed: int, std: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * std).bfloat16().float()
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 20), inputs=st.sampled_from([2, 16, 64, 256]), outputs=st.sampled_from([16, 48, 80, 512]),
+       with_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_linear_from_bf16_pairs_gives_the_float32_weights_bits(rows, inputs, outputs, with_bias, seed):
+    """The pair layout changes how the kernel widens the weights, not the products or the order of the sums: the
+    float32 weight's bits (themselves within float32 summation rounding of the float64 product), over row counts that
+    fill the passes in every way, each row the same bits as that row alone and on two threads."""
+    weight, bias = bf16_exact(inputs, outputs, seed=seed), torch.randn(outputs) if with_bias else None
+    x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(seed + 1)) * 2.0 ** (seed % 9 - 4)
+    pairs = cpu.bf16_pairs(weight)
+    got = cpu.linear_cpu(x, pairs, bias)
+    assert torch.equal(got, cpu.linear_cpu(x, weight, bias))
+    expected = x.double() @ weight.double() + (0 if bias is None else bias.double())
+    bound = (x.double().abs() @ weight.double().abs() + (0 if bias is None else bias.double().abs())) * inputs * 2.0**-23
+    assert got.shape == (rows, outputs) and bool(((got.double() - expected).abs() <= bound + 1e-30).all())
+    assert torch.equal(cpu.linear_cpu(x[-1:].contiguous(), pairs, bias), got[-1:])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(cpu.linear_cpu(x, pairs, bias), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bf16_pairs_hold_the_matrix_and_refuse_what_they_cannot():
+    """The matrix comes back exactly; random float32 (not bf16) and an odd count of inputs are refused; a target
+    whose dense weights bf16 holds multiplies its projections from pairs where AMX does not take them."""
+    weight = bf16_exact(6, 32, seed=0)
+    pairs = cpu.bf16_pairs(weight)
+    assert pairs.values.dtype == torch.int32 and pairs.values.shape == (3, 32)
+    assert torch.equal(pairs.matrix(), weight)
+    assert cpu.bf16_pairs(torch.randn(6, 32)) is None and cpu.bf16_pairs(bf16_exact(5, 32, seed=1)) is None
+    hf = random_target(tiny_target_config(), seed=5)
+    with torch.no_grad():
+        for parameter in hf.parameters():
+            parameter.copy_(parameter.bfloat16().float())
+    target = GptOssTarget(hf)
+    kinds = {type(k.weight) for k in target.qkv_kernel + target.o_proj_kernel if k}
+    assert kinds == {cpu.AmxTiles if cpu.amx_available() else cpu.Bf16Pairs}
+
+
+amx = pytest.mark.skipif(not cpu.amx_available(), reason="no AMX-BF16 on this CPU (or the kernel's build lacks it)")
 
 
 @amx
@@ -376,7 +417,7 @@ def test_amx_experts_equal_the_torch_formulation(tokens, experts, top_k, hidden,
 
 def test_amx_switched_off_leaves_the_avx512_paths(monkeypatch):
     """TRTLLM_DFLASH_AMX=0: no AMX tiles anywhere (a target then has no "amx" expert storage and its projections
-    keep their bf16 copies), where AMX runs as where it does not."""
+    keep their bf16 pairs), where AMX runs as where it does not."""
     monkeypatch.setenv(cpu.AMX_VARIABLE, "0")
     assert not cpu.amx_available() and cpu.amx_tiles(bf16_exact(64, 48, seed=0)) is None
     target = GptOssTarget(random_target(tiny_target_config(), seed=5))

@@ -131,6 +131,32 @@ def amx_tiles(weight: torch.Tensor) -> AmxTiles | None:
     return AmxTiles(tiles.contiguous().view(*lead, rows, columns))
 
 
+@dataclass(frozen=True)
+class Bf16Pairs:
+    """A matrix [in, out] held in bf16 two input rows a word (`bf16_pairs`): word [p, c] holds row 2p's weight in its
+    low half and row 2p + 1's in its high half, the layout the linear kernel widens with one load, a shift and a mask
+    (cpu_kernel.cpp `Bf16Pairs`). `matrix()` gives it back in float32."""
+
+    values: torch.Tensor  # int32 [in / 2, out]
+
+    def matrix(self) -> torch.Tensor:
+        halves = torch.stack([self.values & 0xFFFF, (self.values >> 16) & 0xFFFF], dim=1)  # [in / 2, 2, out]
+        return (halves.flatten(0, 1) << 16).view(torch.float32)
+
+
+def bf16_pairs(weight: torch.Tensor) -> Bf16Pairs | None:
+    """A CPU matrix [in, out] as `Bf16Pairs` where bf16 holds every weight exactly (a bf16 checkpoint's dense weights)
+    and `in` is even, else None."""
+    weight = weight.detach()
+    if weight.dim() != 2 or weight.device.type != "cpu" or weight.shape[0] % 2:
+        return None
+    compact = weight.to(torch.bfloat16)
+    if not torch.equal(compact.float(), weight.float()):
+        return None
+    halves = compact.view(torch.int16).to(torch.int32) & 0xFFFF
+    return Bf16Pairs((halves[0::2] | halves[1::2] << 16).contiguous())
+
+
 def moe_serves(x: torch.Tensor, gate_up: object, down: object) -> bool:
     """Whether the MoE kernel takes these: float32 CPU tokens, experts as float32 or bf16 CPU tensors alike
     ([E, H, 2I], [E, I, H]; not fbgemm's packed copies) or both `RowInt8`, H and I multiples of `LANES`, the
@@ -217,12 +243,13 @@ def moe_call(mlp: torch.nn.Module, gate_up: object, down: object) -> MoeCall | N
                    experts.alpha, experts.limit, scales, tiles)
 
 
-def linear_cpu(x: torch.Tensor, weight: torch.Tensor | AmxTiles, bias: torch.Tensor | None) -> torch.Tensor:
-    """x float32 [..., in] (contiguous) times weight [in, out] (float32, a bf16 copy that holds it exactly, or
-    `AmxTiles`) plus bias float32 [out] -> [..., out], in float32 products and sums; out a multiple of `LANES`."""
-    if isinstance(weight, AmxTiles):
-        return target_kernels().linear(x, weight.values, bias, True)
-    return target_kernels().linear(x, weight, bias, False)
+def linear_cpu(x: torch.Tensor, weight: torch.Tensor | Bf16Pairs | AmxTiles, bias: torch.Tensor | None
+               ) -> torch.Tensor:
+    """x float32 [..., in] (contiguous) times weight [in, out] (float32, `Bf16Pairs` or `AmxTiles`) plus bias float32
+    [out] -> [..., out], in float32 products and sums; out a multiple of `LANES`."""
+    if isinstance(weight, torch.Tensor):
+        return target_kernels().linear(x, weight, bias, False)
+    return target_kernels().linear(x, weight.values, bias, isinstance(weight, AmxTiles))
 
 
 def sink_attention_cpu(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,

@@ -40,9 +40,11 @@ constexpr int64_t kAhead = 16;  // weight rows a tile prefetches ahead
 #if defined(__AVX512F__)
 constexpr int kRows = 4;
 constexpr int64_t kPassColumns = 64;  // 16 accumulators, 4 weights of 32 registers
+constexpr int kPairRows = 4;  // the same on bf16 pairs: 16 accumulators and 8 widened weights
 #else
 constexpr int kRows = 2;
 constexpr int64_t kPassColumns = 32;  // 8 accumulators, 4 weights of 16 (AVX2; 4 rows or 64 columns spilled, round 23)
+constexpr int kPairRows = 3;  // bf16 pairs: 3 rows the fastest from 1 to 16 rows though 12 + 8 vectors spill (round 24)
 #endif
 typedef uint32_t uvec __attribute__((vector_size(kLanes * 4)));
 typedef uint16_t bf16vec_u __attribute__((vector_size(kLanes * 2), aligned(2)));
@@ -81,9 +83,42 @@ void tile(const float* const* x, int64_t in, const W* w, int64_t ld, const float
       store(y[r] + c0 + v * kLanes, bias ? acc[r][v] + load(bias + c0 + v * kLanes) : acc[r][v]);
 }
 
-// One column tile for every row, kRows rows at a time (the tile stays in cache between row blocks).
+// A matrix [in, out] in bf16, two input rows a word (cpu.py `Bf16Pairs`): word [p][c] holds w[2p][c] in its low
+// half and w[2p + 1][c] in its high half, so one load and a shift and a mask widen two weight vectors, where a bf16
+// matrix [in, out] costs a widening load and a shift each (a q/k/v GEMM 0.6x the time, at 1 row as at 8, on an
+// AVX2 EPYC; round 24). The products and the order of the sums are the plain tile's.
+struct Bf16Pairs {
+  const uint32_t* words;
+};
+
+template <int NR, int NV>
+void tile(const float* const* x, int64_t in, Bf16Pairs w, int64_t ld, const float* bias, float* const* y,
+          int64_t c0) {
+  fvec acc[NR][NV] = {};
+  const ivec high_half = ivec{} + static_cast<int32_t>(0xFFFF0000u);
+  for (int64_t h = 0; h < in; h += 2) {
+    const uint32_t* row = w.words + h / 2 * ld;
+    for (int64_t e = 0; e < NV * kLanes; e += 16) __builtin_prefetch(row + kAhead / 2 * ld + e);
+    fvec even[NV], odd[NV];
+    for (int v = 0; v < NV; ++v) {
+      const ivec word = reinterpret_cast<ivec>(load(reinterpret_cast<const float*>(row + v * kLanes)));
+      even[v] = reinterpret_cast<fvec>(word << 16);
+      odd[v] = reinterpret_cast<fvec>(word & high_half);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const fvec xe = splat(x[r][h]), xo = splat(x[r][h + 1]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(xo, odd[v], fmadd(xe, even[v], acc[r][v]));
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v)
+      store(y[r] + c0 + v * kLanes, bias ? acc[r][v] + load(bias + c0 + v * kLanes) : acc[r][v]);
+}
+
+// One column tile for every row, NR rows at a time (the tile stays in cache between row blocks). `W`: a weight
+// pointer at the tile's first column, or `Bf16Pairs` there.
 template <int NV, int NR = kRows, typename W>
-void rows_tile(const float* const* x, int64_t rows, int64_t in, const W* w, int64_t ld, const float* bias,
+void rows_tile(const float* const* x, int64_t rows, int64_t in, W w, int64_t ld, const float* bias,
                float* const* y, int64_t c0) {
   int64_t r0 = 0;
   for (; r0 + NR <= rows; r0 += NR) tile<NR, NV>(x + r0, in, w, ld, bias, y + r0, c0);
@@ -109,6 +144,15 @@ void linear_rows(const float* const* x, int64_t rows, int64_t in, const W* w, in
   int64_t c0 = c_begin;
   for (; c0 + kTile <= c_end; c0 += kTile) at(c0, kTile);
   for (; c0 < c_end; c0 += kTail) at(c0, kTail);
+}
+
+// The same on bf16 pairs (`tile_major` does not apply).
+void linear_rows(const float* const* x, int64_t rows, int64_t in, Bf16Pairs w, int64_t out, const float* bias,
+                 float* const* y, int64_t c_begin, int64_t c_end, bool = false) {
+  int64_t c0 = c_begin;
+  for (; c0 + kPassColumns <= c_end; c0 += kPassColumns)
+    rows_tile<kPassColumns / kLanes, kPairRows>(x, rows, in, Bf16Pairs{w.words + c0}, out, bias, y, c0);
+  for (; c0 < c_end; c0 += kLanes) rows_tile<1, kPairRows>(x, rows, in, Bf16Pairs{w.words + c0}, out, bias, y, c0);
 }
 
 // The same on AMX tiles (`amx_gemm.h`; `tile_major` does not apply: the tiles are their own layout).
@@ -439,18 +483,21 @@ torch::Tensor sink_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor
   return out;
 }
 
-// x float32 [..., in] (contiguous) times weight [in, out] (float32, or bf16 that holds the weight exactly; contiguous)
-// plus bias float32 [out] or None -> float32 [..., out]; out a multiple of 16. `tiles`: weight is bf16 AMX tiles
-// (`amx_gemm.h`) viewed as [in, out], in a multiple of 32. Columns split over torch's intra-op threads.
+// x float32 [..., in] (contiguous) times weight [in, out] (float32, or bf16 pairs: int32 [in / 2, out] words,
+// `Bf16Pairs`; contiguous) plus bias float32 [out] or None -> float32 [..., out]; out a multiple of 16. `tiles`:
+// weight is bf16 AMX tiles (`amx_gemm.h`) viewed as [in, out], in a multiple of 32. Columns split over torch's
+// intra-op threads.
 torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, bool tiles) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be a contiguous float32 CPU tensor");
+  const bool pairs = weight.scalar_type() == torch::kInt32;
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous() &&
-                  (weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16),
-              "weight must be a contiguous float32 or bf16 CPU tensor [in, out]");
-  const int64_t in = weight.size(0), out = weight.size(1);
-  TORCH_CHECK(x.size(-1) == in, "x's last dimension must be weight's first");
-  TORCH_CHECK(out % kTail == 0, "the output width must be a multiple of ", kTail);
+                  (weight.scalar_type() == torch::kFloat32 || pairs ||
+                   (tiles && weight.scalar_type() == torch::kBFloat16)),
+              "weight must be a contiguous float32 CPU tensor [in, out], int32 bf16 pairs [in / 2, out] or AMX tiles");
+  const int64_t in = pairs ? 2 * weight.size(0) : weight.size(0), out = weight.size(1);
+  TORCH_CHECK(x.size(-1) == in, "x's last dimension must be weight's inputs");
+  TORCH_CHECK(out % kSizeMultiple == 0, "the output width must be a multiple of ", kSizeMultiple);
   TORCH_CHECK(!tiles || (weight.scalar_type() == torch::kBFloat16 && in % dflash_amx::kTileK == 0 &&
                          dflash_amx::available()),
               "AMX tiles need a bf16 weight, in a multiple of 32 and a CPU with AMX-BF16");
@@ -474,18 +521,18 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch:
     if (tiles)
       linear_rows(x_rows.data(), rows, in, dflash_amx::Tiles{static_cast<const uint16_t*>(weight.data_ptr())}, out, bp,
                   y_rows.data(), first * kTail, last * kTail);
-    else if (weight.scalar_type() == torch::kFloat32)
+    else if (pairs)
+      linear_rows(x_rows.data(), rows, in, Bf16Pairs{static_cast<const uint32_t*>(weight.data_ptr())}, out, bp,
+                  y_rows.data(), first * kTail, last * kTail);
+    else
       linear_rows(x_rows.data(), rows, in, weight.data_ptr<float>(), out, bp, y_rows.data(), first * kTail,
                   last * kTail);
-    else
-      linear_rows(x_rows.data(), rows, in, reinterpret_cast<const uint16_t*>(weight.data_ptr()), out, bp,
-                  y_rows.data(), first * kTail, last * kTail);
   });
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "x @ weight [in, out] + bias (float32 math; float32 or bf16 weight)");
+  m.def("linear", &linear, "x @ weight [in, out] + bias (float32 math; float32 weight, bf16 pairs or AMX tiles)");
   m.def("route", &route, "gpt-oss router: top-k experts and their softmax (float32)");
   m.def("routed_experts", &routed_experts, "gpt-oss routed experts (float32 or bf16 weights)");
   m.def("moe", &moe, "a gpt-oss layer's router and routed experts in one call");

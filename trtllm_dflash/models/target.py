@@ -244,13 +244,13 @@ def compact_copy(weight: torch.Tensor) -> torch.Tensor:
 class KernelLinear:
     """A frozen linear map through the compiled CPU kernel (`target_cpu.linear_cpu`): the weight stored [in, out] as
     AMX tiles where the CPU has AMX and bf16 holds it (`target_cpu.amx_tiles`: 0.3-0.4x the time of the FMA kernel
-    at 1 to 16 rows of a 256 x 512 weight on a Xeon VM, round 22), else as an exact bf16 copy where bf16 holds it
-    (`compact_copy`: a bf16 checkpoint's dense weights), else float32; float32 products and sums, so the float32
-    GEMM's result up to summation order."""
+    at 1 to 16 rows of a 256 x 512 weight on a Xeon VM, round 22), else as exact bf16 pairs where bf16 holds it
+    (`target_cpu.bf16_pairs`: a bf16 checkpoint's dense weights), else float32; float32 products and sums, so the
+    float32 GEMM's result up to summation order."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         plain = weight.detach().t().contiguous()
-        self.weight = target_cpu.amx_tiles(plain) or compact_copy(plain)
+        self.weight = target_cpu.amx_tiles(plain) or target_cpu.bf16_pairs(plain) or plain.float()
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
