@@ -10,8 +10,9 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 from trtllm_dflash.models.drafter_weights import InferenceWeights
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
 from trtllm_dflash.models.linear import fbgemm_fp16
-from trtllm_dflash.models.target import (GptOssTarget, attention_bias, causal_mask, compact_copy, fused_attention,
+from trtllm_dflash.models.target import (GptOssTarget, attention_bias, causal_mask, fused_attention,
                                          half_copies, routed_experts, sink_attention)
+from trtllm_dflash.plugins.target import cpu as target_cpu
 from trtllm_dflash.plugins.target.cpu import amx_available
 
 
@@ -39,7 +40,7 @@ def test_routed_experts_equal_transformers_mlp(tokens, experts, top_k, dtype):
 
 
 def test_experts_read_from_exact_copies_give_the_same_numbers():
-    """Experts that bf16 holds exactly (as MXFP4 ones) are kept as bf16 copies and cast back per GEMM:
+    """Experts that bf16 holds exactly (as MXFP4 ones) are kept as bf16 pairs and widened back per GEMM:
     bit-identical to the float32 weights; and as fbgemm's float16 copies where it runs: the same to
     float32 rounding. Others (random float32) get neither."""
     config = tiny_target_config(experts=8, top_k=2)
@@ -48,13 +49,13 @@ def test_experts_read_from_exact_copies_give_the_same_numbers():
     for p in mlp.parameters():
         torch.nn.init.normal_(p, std=0.5)
     experts = mlp.experts
-    assert compact_copy(experts.gate_up_proj).dtype == torch.float32  # random float32: no exact bf16 copy
+    assert target_cpu.bf16_pairs(experts.gate_up_proj) is None  # random float32: no exact bf16 copy
     assert half_copies(experts.gate_up_proj) is None
     with torch.no_grad():
         experts.gate_up_proj.copy_(experts.gate_up_proj.bfloat16().float())
         experts.down_proj.copy_(experts.down_proj.bfloat16().float())
-    gate_up, down = compact_copy(experts.gate_up_proj), compact_copy(experts.down_proj)
-    assert gate_up.dtype == down.dtype == torch.bfloat16
+    gate_up, down = target_cpu.bf16_pairs(experts.gate_up_proj), target_cpu.bf16_pairs(experts.down_proj)
+    assert isinstance(gate_up, target_cpu.Bf16Pairs) and isinstance(down, target_cpu.Bf16Pairs)
     x = torch.randn(8, config.hidden_size)
     with torch.inference_mode():
         expected = routed_experts(x, mlp)
@@ -66,8 +67,8 @@ def test_experts_read_from_exact_copies_give_the_same_numbers():
 
 
 def test_the_embedded_targets_mxfp4_experts_read_from_each_storage_give_the_same_logits():
-    """MXFP4 experts: float32 originals, exact bf16 copies, (where fbgemm runs) float16 ones, exact int8 rows and
-    (where AMX runs) AMX tiles, switchable; the same logits from the bf16 copies and the int8 rows, the same to
+    """MXFP4 experts: float32 originals, exact bf16 pairs, (where fbgemm runs) float16 ones, exact int8 rows and
+    (where AMX runs) AMX tiles, switchable; the same logits from the bf16 pairs and the int8 rows, the same to
     float32 rounding and the same greedy tokens from the float16 ones and the AMX tiles; a target with random float32
     experts has one storage."""
     from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss

@@ -17,7 +17,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 from trtllm_dflash.models.random_pair import random_target, tiny_target_config
 from trtllm_dflash.models.kv_cache import KVArena
 from trtllm_dflash.models.rope import rotate
-from trtllm_dflash.models.target import GptOssTarget, causal_mask, compact_copy, routed_experts, sink_attention
+from trtllm_dflash.models.target import GptOssTarget, causal_mask, routed_experts, sink_attention
 from trtllm_dflash.plugins.target import cpu
 from trtllm_dflash.quant.codecs import mxfp4_decode, mxfp4_encode
 
@@ -41,7 +41,7 @@ def random_mlp(experts: int, top_k: int, hidden: int, intermediate: int, seed: i
        hidden=st.sampled_from([16, 48, 64]), intermediate=st.sampled_from([16, 32, 80]), seed=st.integers(0, 2**16))
 def test_kernel_equals_the_torch_formulation(tokens, experts, top_k, hidden, intermediate, seed):
     """Any token count, expert count, top-k and multiple-of-16 sizes: the kernel's sums are
-    the torch formulation's to float32 rounding, from the float32 weights and from their exact bf16 copies
+    the torch formulation's to float32 rounding, from the float32 weights and from their exact bf16 pairs
     alike (bit-identical to each other: the same products in the same order); std 2 drives the SwiGLU's
     clamps (|gate_up| past the limit 7)."""
     top_k = min(top_k, experts)
@@ -50,8 +50,8 @@ def test_kernel_equals_the_torch_formulation(tokens, experts, top_k, hidden, int
     with torch.inference_mode():
         expected = routed_experts(x, mlp)
         from_float32 = routed_experts(x, mlp, compiled=True)
-        copies = compact_copy(mlp.experts.gate_up_proj), compact_copy(mlp.experts.down_proj)
-        assert all(c.dtype == torch.bfloat16 for c in copies)
+        copies = cpu.bf16_pairs(mlp.experts.gate_up_proj), cpu.bf16_pairs(mlp.experts.down_proj)
+        assert all(isinstance(c, cpu.Bf16Pairs) for c in copies)
         from_bf16 = routed_experts(x, mlp, *copies, compiled=True)
     assert from_float32.shape == (tokens, hidden) and from_float32.dtype == torch.float32
     scale = float(expected.abs().max())
@@ -186,14 +186,16 @@ def test_threads_split_the_experts_and_change_no_number():
 
 
 def test_the_kernel_serves_only_what_it_takes():
-    """Float32 tokens with float32 or bf16 expert tensors of multiple-of-16 sizes; not fbgemm's packed copies,
-    mixed dtypes, bf16 tokens or other sizes, where the torch formulation runs."""
+    """Float32 tokens with float32 expert tensors or both experts' bf16 pairs, of multiple-of-16 sizes; not fbgemm's
+    packed copies, plain bf16 tensors, mixed storages, bf16 tokens or other sizes, where the torch formulation runs."""
     mlp = random_mlp(4, 2, 64, 64, seed=0)
     gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
+    pairs = cpu.bf16_pairs(gate_up.bfloat16().float()), cpu.bf16_pairs(down.bfloat16().float())
     x = torch.randn(3, 64)
-    assert cpu.moe_serves(x, gate_up, down) and cpu.moe_serves(x, gate_up.bfloat16(), down.bfloat16())
+    assert cpu.moe_serves(x, gate_up, down) and cpu.moe_serves(x, *pairs)
     assert not cpu.moe_serves(x, [gate_up[0]], down)
-    assert not cpu.moe_serves(x, gate_up.bfloat16(), down)
+    assert not cpu.moe_serves(x, gate_up.bfloat16(), down.bfloat16())
+    assert not cpu.moe_serves(x, pairs[0], down)
     assert not cpu.moe_serves(x.bfloat16(), gate_up, down)
     odd = random_mlp(4, 2, 24, 64, seed=0)
     assert not cpu.moe_serves(torch.randn(3, 24), odd.experts.gate_up_proj, odd.experts.down_proj)

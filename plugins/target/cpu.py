@@ -133,44 +133,51 @@ def amx_tiles(weight: torch.Tensor) -> AmxTiles | None:
 
 @dataclass(frozen=True)
 class Bf16Pairs:
-    """A matrix [in, out] held in bf16 two input rows a word (`bf16_pairs`): word [p, c] holds row 2p's weight in its
-    low half and row 2p + 1's in its high half, the layout the linear kernel widens with one load, a shift and a mask
-    (cpu_kernel.cpp `Bf16Pairs`). `matrix()` gives it back in float32."""
+    """Matrices [..., in, out] held in bf16 two input rows a word (`bf16_pairs`): word [p, c] holds row 2p's weight in
+    its low half and row 2p + 1's in its high half, the layout the kernels widen with one load, a shift and a mask
+    (cpu_kernel.cpp `Bf16Pairs`). `matrix()` gives them back in float32, `[e]` matrix e of a stack."""
 
-    values: torch.Tensor  # int32 [in / 2, out]
+    values: torch.Tensor  # int32 [..., in / 2, out]
 
     def matrix(self) -> torch.Tensor:
-        halves = torch.stack([self.values & 0xFFFF, (self.values >> 16) & 0xFFFF], dim=1)  # [in / 2, 2, out]
-        return (halves.flatten(0, 1) << 16).view(torch.float32)
+        halves = torch.stack([self.values & 0xFFFF, (self.values >> 16) & 0xFFFF], dim=-2)  # [..., in / 2, 2, out]
+        return (halves.flatten(-3, -2) << 16).view(torch.float32)
+
+    def __getitem__(self, expert: int) -> torch.Tensor:
+        return Bf16Pairs(self.values[expert]).matrix()
 
 
 def bf16_pairs(weight: torch.Tensor) -> Bf16Pairs | None:
-    """A CPU matrix [in, out] as `Bf16Pairs` where bf16 holds every weight exactly (a bf16 checkpoint's dense weights)
-    and `in` is even, else None."""
+    """CPU matrices [..., in, out] as `Bf16Pairs` where bf16 holds every weight exactly (MXFP4 experts, a bf16
+    checkpoint's dense weights) and `in` is even, else None."""
     weight = weight.detach()
-    if weight.dim() != 2 or weight.device.type != "cpu" or weight.shape[0] % 2:
+    if weight.dim() < 2 or weight.device.type != "cpu" or weight.shape[-2] % 2:
         return None
     compact = weight.to(torch.bfloat16)
     if not torch.equal(compact.float(), weight.float()):
         return None
     halves = compact.view(torch.int16).to(torch.int32) & 0xFFFF
-    return Bf16Pairs((halves[0::2] | halves[1::2] << 16).contiguous())
+    return Bf16Pairs((halves[..., 0::2, :] | halves[..., 1::2, :] << 16).contiguous())
 
 
 def moe_serves(x: torch.Tensor, gate_up: object, down: object) -> bool:
-    """Whether the MoE kernel takes these: float32 CPU tokens, experts as float32 or bf16 CPU tensors alike
-    ([E, H, 2I], [E, I, H]; not fbgemm's packed copies) or both `RowInt8`, H and I multiples of `LANES`, the
-    kernel built."""
+    """Whether the MoE kernel takes these: float32 CPU tokens, experts as float32 CPU tensors ([E, H, 2I], [E, I, H];
+    not fbgemm's packed copies), both `Bf16Pairs` or both `RowInt8`, H and I multiples of `LANES`, the kernel
+    built."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or target_kernels() is None:
         return False
-    if isinstance(gate_up, RowInt8) and isinstance(down, RowInt8):  # int8_rows made them from float32 CPU experts
-        gate_up, down = gate_up.values, down.values
-    elif isinstance(gate_up, AmxTiles) and isinstance(down, AmxTiles):  # amx_tiles checked the rest
+    if isinstance(gate_up, AmxTiles) and isinstance(down, AmxTiles):  # amx_tiles checked the rest
         return x.shape[-1] % AMX_ROWS == 0
-    elif not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.device.type == "cpu"
-              and gate_up.dtype == down.dtype and gate_up.dtype in (torch.float32, torch.bfloat16)):
+    if isinstance(gate_up, RowInt8) and isinstance(down, RowInt8):  # int8_rows made them from float32 CPU experts
+        inter = down.values.shape[1]
+    elif isinstance(gate_up, Bf16Pairs) and isinstance(down, Bf16Pairs):  # bf16_pairs made them from CPU experts
+        inter = 2 * down.values.shape[1]
+    elif (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.device.type == "cpu"
+          and gate_up.dtype == down.dtype == torch.float32):
+        inter = down.shape[1]
+    else:
         return False
-    return x.shape[-1] % LANES == 0 and down.shape[1] % LANES == 0
+    return x.shape[-1] % LANES == 0 and inter % LANES == 0
 
 
 def route_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,23 +186,27 @@ def route_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: 
     return tuple(target_kernels().route(x.contiguous(), weight.contiguous(), bias.contiguous(), top_k))
 
 
-def expert_arguments(gate_up: torch.Tensor | RowInt8 | AmxTiles, down: torch.Tensor | RowInt8 | AmxTiles
+ExpertCopy = torch.Tensor | RowInt8 | Bf16Pairs | AmxTiles
+
+
+def expert_arguments(gate_up: ExpertCopy, down: ExpertCopy
                      ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, torch.Tensor | None], bool]:
     """The MoE kernel's expert arguments from a storage's matrices: (gate_up, down, their int8 rows' scales or Nones,
     whether they are AMX tiles)."""
     scales, tiles = (None, None), isinstance(gate_up, AmxTiles)
     if isinstance(gate_up, RowInt8):
         scales = (gate_up.scales, down.scales)
-    if isinstance(gate_up, (RowInt8, AmxTiles)):
+    if isinstance(gate_up, (RowInt8, Bf16Pairs, AmxTiles)):
         gate_up, down = gate_up.values, down.values
     return gate_up, down, scales, tiles
 
 
 def routed_experts_cpu(x: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor,
-                       gate_up: torch.Tensor | RowInt8, gate_up_bias: torch.Tensor, down: torch.Tensor | RowInt8,
+                       gate_up: ExpertCopy, gate_up_bias: torch.Tensor, down: ExpertCopy,
                        down_bias: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """x float32 [n, H], the router's top-k `indices` [n, k] and `scores` [n, k], gate_up [E, H, 2I] (gate and
-    up interleaved) and down [E, I, H] (float32, bf16, or both `RowInt8`), their float32 biases -> [n, H]: per
+    up interleaved) and down [E, I, H] (float32, or both `Bf16Pairs`, `RowInt8` or `AmxTiles`), their float32
+    biases -> [n, H]: per
     token, the sum over its slots of score x down(swiglu(gate_up(x))), gpt-oss's clamped SwiGLU with `alpha` and
     `limit`."""
     gate_up, down, scales, tiles = expert_arguments(gate_up, down)

@@ -5,7 +5,7 @@
 // Python, not by its GEMMs (docs/benchmarks.md, round 17).
 // - `route` and `routed_experts` replace a layer's router (3 ops) and the ~25 ops and the Python loop over
 //   routed experts of its MoE: each expert that some token routes to multiplies its rows in one pass over its weights (float32,
-//   or bf16 copies that hold them exactly, widened in registers), with the bias, gpt-oss's clamped SwiGLU on
+//   or bf16 pairs that hold them exactly, widened in registers), with the bias, gpt-oss's clamped SwiGLU on
 //   interleaved gate/up columns, the down projection and the routing weight; a token's top-k outputs are then
 //   summed in slot order, as the torch formulation does. `linear` serves the attention's q/k/v and o_proj with
 //   the same tiles.
@@ -32,7 +32,7 @@
 namespace {
 
 using namespace dflash_vec;
-using dflash_vec::load;  // beside the bf16 overload below (an overload here would hide it otherwise)
+using dflash_vec::load;  // beside the int8 overload below (an overload here would hide it otherwise)
 constexpr int64_t kTile = 64;  // a weight tile's columns (int8 experts are stored tile by tile: cpu.py `TILE`)
 constexpr int64_t kTail = kSizeMultiple;  // the columns of the tiles after the last whole one (cpu.py `LANES`)
 constexpr int64_t kAhead = 16;  // weight rows a tile prefetches ahead
@@ -46,12 +46,6 @@ constexpr int kRows = 2;
 constexpr int64_t kPassColumns = 32;  // 8 accumulators, 4 weights of 16 (AVX2; 4 rows or 64 columns spilled, round 23)
 constexpr int kPairRows = 3;  // bf16 pairs: 3 rows the fastest from 1 to 16 rows though 12 + 8 vectors spill (round 24)
 #endif
-typedef uint32_t uvec __attribute__((vector_size(kLanes * 4)));
-typedef uint16_t bf16vec_u __attribute__((vector_size(kLanes * 2), aligned(2)));
-
-inline fvec load(const uint16_t* p) {  // bf16 -> float32: the bits moved to the top half
-  return reinterpret_cast<fvec>(__builtin_convertvector(*reinterpret_cast<const bf16vec_u*>(p), uvec) << 16);
-}
 inline fvec load(const int8_t* p) {  // int8 -> float32, exactly
 #if defined(__AVX512F__)
   return reinterpret_cast<fvec>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
@@ -155,6 +149,13 @@ void linear_rows(const float* const* x, int64_t rows, int64_t in, Bf16Pairs w, i
   for (; c0 < c_end; c0 += kLanes) rows_tile<1, kPairRows>(x, rows, in, Bf16Pairs{w.words + c0}, out, bias, y, c0);
 }
 
+// Expert e's matrix of `size` weights in a stack of them.
+template <typename W>
+W expert_at(W w, int64_t e, int64_t size) {
+  return w + e * size;
+}
+inline Bf16Pairs expert_at(Bf16Pairs w, int64_t e, int64_t size) { return {w.words + e * size / 2}; }
+
 // The same on AMX tiles (`amx_gemm.h`; `tile_major` does not apply: the tiles are their own layout).
 void linear_rows(const float* const* x, int64_t rows, int64_t in, dflash_amx::Tiles w, int64_t /* out */,
                  const float* bias, float* const* y, int64_t c_begin, int64_t c_end, bool = false) {
@@ -192,7 +193,7 @@ void scale_row(const float* row, const float* scales, int64_t width, float* out)
 // into slots[token * k + slot]. int8 experts: `gus` [H] and `dns` [I] are the power-of-two scales of their
 // matrices' input rows, which multiply the inputs instead of the weights: x_h s_h exactly, so each product
 // (x_h s_h) q_hc is the float32 original's x_h w_hc bit for bit, and the weights need no multiply (-15% of the
-// MoE's time against a scale per weight, round 20). `W`: a weight pointer (float32, bf16 or int8) or AMX tiles.
+// MoE's time against a scale per weight, round 20). `W`: a weight pointer (float32 or int8), bf16 pairs or AMX tiles.
 template <typename W>
 void run_expert(const float* xp, const float* sp, const std::vector<int64_t>& routed, int64_t k, int64_t hidden,
                 int64_t inter, W gu, const float* gus, const float* gub, W dn, const float* dns,
@@ -239,8 +240,8 @@ void run_experts(const float* xp, const int64_t* ip, const float* sp, int64_t n,
   at::parallel_for(0, static_cast<int64_t>(touched.size()), 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const int64_t e = touched[i];
-      run_expert(xp, sp, routed[e], k, hidden, inter, gu + e * hidden * 2 * inter,
-                 gus ? gus + e * hidden : nullptr, gub + e * 2 * inter, dn + e * inter * hidden,
+      run_expert(xp, sp, routed[e], k, hidden, inter, expert_at(gu, e, hidden * 2 * inter),
+                 gus ? gus + e * hidden : nullptr, gub + e * 2 * inter, expert_at(dn, e, inter * hidden),
                  dns ? dns + e * inter : nullptr, dnb + e * hidden, alpha, limit, slots);
     }
   });
@@ -301,9 +302,9 @@ std::vector<torch::Tensor> route(torch::Tensor x, torch::Tensor weight, torch::T
 }
 
 // x float32 [n, H]; indices int64 [n, k] and scores float32 [n, k] (the router's top-k and their softmax);
-// gate_up [E, H, 2I] and down [E, I, H], both float32, both bf16 or both int8 (then stored tile by tile, see
-// `linear_rows`, with float32 scales [E, H] and [E, I]: each weight is its int8 times its input row's scale, a power
-// of two);
+// gate_up [E, H, 2I] and down [E, I, H], both float32, both bf16 pairs (int32 [E, H / 2, 2I] and [E, I / 2, H],
+// `Bf16Pairs`) or both int8 (then stored tile by tile, see `linear_rows`, with float32 scales [E, H] and [E, I]: each
+// weight is its int8 times its input row's scale, a power of two);
 // biases float32 [E, 2I], [E, H]. H and I multiples of 16. `tiles`: gate_up and down are bf16 AMX tiles (`amx_gemm.h`)
 // viewed as [E, H, 2I] and [E, I, H]; H and I multiples of 32.
 // -> float32 [n, H]: sum over slots j of scores[t, j] * expert(indices[t, j], x[t]).
@@ -316,20 +317,21 @@ torch::Tensor routed_experts(torch::Tensor x, torch::Tensor indices, torch::Tens
                                       {&down, "down", 3}, {&down_bias, "down_bias", 2}})
     check(*t, name, dims);
   const int64_t n = x.size(0), hidden = x.size(1), k = indices.size(1);
-  const int64_t experts = gate_up.size(0), inter = down.size(1);
+  const auto kind = gate_up.scalar_type();
+  const int64_t pair = kind == torch::kInt32 ? 2 : 1;  // input rows a stored row
+  const int64_t experts = gate_up.size(0), inter = down.size(1) * pair;
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && scores.scalar_type() == torch::kFloat32 &&
                   gate_up_bias.scalar_type() == torch::kFloat32 && down_bias.scalar_type() == torch::kFloat32,
               "x, scores and the biases must be float32");
   TORCH_CHECK(indices.scalar_type() == torch::kInt64 && indices.size(0) == n && scores.sizes() == indices.sizes(),
               "indices (int64) and scores must both be [n, k]");
-  const auto kind = gate_up.scalar_type();
-  TORCH_CHECK(kind == down.scalar_type() &&
-                  (kind == torch::kFloat32 || kind == torch::kBFloat16 || kind == torch::kChar),
-              "gate_up and down must both be float32, both bf16 or both int8");
+  TORCH_CHECK(kind == down.scalar_type() && (kind == torch::kFloat32 || kind == torch::kInt32 ||
+                                              kind == torch::kChar || (tiles && kind == torch::kBFloat16)),
+              "gate_up and down must both be float32, both bf16 pairs (int32), both int8 or both AMX tiles");
   const bool int8 = kind == torch::kChar;
   TORCH_CHECK(int8 == gate_up_scales.has_value() && int8 == down_scales.has_value(),
               "int8 experts need both scales, others none");
-  TORCH_CHECK(gate_up.size(1) == hidden && gate_up.size(2) == 2 * inter && down.size(0) == experts &&
+  TORCH_CHECK(gate_up.size(1) * pair == hidden && gate_up.size(2) == 2 * inter && down.size(0) == experts &&
                   down.size(2) == hidden && gate_up_bias.size(0) == experts && gate_up_bias.size(1) == 2 * inter &&
                   down_bias.size(0) == experts && down_bias.size(1) == hidden,
               "expert shapes must be gate_up [E, H, 2I], down [E, I, H], biases [E, 2I] and [E, H]");
@@ -361,9 +363,9 @@ torch::Tensor routed_experts(torch::Tensor x, torch::Tensor indices, torch::Tens
   else if (kind == torch::kFloat32)
     run_experts(xp, ip, sp, n, k, hidden, inter, experts, static_cast<const float*>(gate_up.data_ptr<float>()),
                 nullptr, gub, static_cast<const float*>(down.data_ptr<float>()), nullptr, dnb, a, l, out_slots);
-  else if (kind == torch::kBFloat16)
-    run_experts(xp, ip, sp, n, k, hidden, inter, experts, bf16(gate_up), nullptr, gub, bf16(down), nullptr, dnb, a,
-                l, out_slots);
+  else if (kind == torch::kInt32)
+    run_experts(xp, ip, sp, n, k, hidden, inter, experts, Bf16Pairs{static_cast<const uint32_t*>(gate_up.data_ptr())},
+                nullptr, gub, Bf16Pairs{static_cast<const uint32_t*>(down.data_ptr())}, nullptr, dnb, a, l, out_slots);
   else
     run_experts(xp, ip, sp, n, k, hidden, inter, experts, static_cast<const int8_t*>(gate_up.data_ptr<int8_t>()),
                 gate_up_scales->data_ptr<float>(), gub, static_cast<const int8_t*>(down.data_ptr<int8_t>()),

@@ -15,7 +15,7 @@ them exactly, `exact_dtype`), RMSNorm is one layer_norm kernel on CPU (`lean_rms
 q and k in one go, each step builds one additive mask per window kind for all layers,
 attention is one fused kernel on CPU, and the MoE multiplies only the experts a block routes to
 (`routed_experts`), reading them as float32 or, where the checkpoint's experts allow, from exact bf16
-copies (`compact_copy`), exact int8 rows (`target_cpu.int8_rows`: MXFP4 experts), AMX tiles of the bf16 values on
+pairs (`target_cpu.bf16_pairs`), exact int8 rows (`target_cpu.int8_rows`: MXFP4 experts), AMX tiles of the bf16 values on
 a CPU with AMX (`target_cpu.amx_tiles`) or fbgemm's float16 ones (`half_copies`); all but the float16 ones through
 one call of the compiled CPU MoE kernel after the router where it builds (`plugins/target/cpu.py`), the float16
 ones through a GEMM per routed expert. Which is fastest depends on the machine, so the runtime times them
@@ -153,8 +153,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.Module, doubled:
     return x, rms_norm(x, norm, doubled)
 
 
-# [E, in, out], or per expert fbgemm's packed [out, in] (`half_copies`), or exact int8 rows (`target_cpu.int8_rows`)
-ExpertMatrices = torch.Tensor | list | target_cpu.RowInt8 | target_cpu.AmxTiles
+# [E, in, out], or per expert fbgemm's packed [out, in] (`half_copies`), or exact copies (`target_cpu.ExpertCopy`)
+ExpertMatrices = torch.Tensor | list | target_cpu.ExpertCopy
 
 
 def routed_experts(x: torch.Tensor, mlp: nn.Module, gate_up_proj: ExpertMatrices | None = None,
@@ -201,8 +201,8 @@ def routed_experts(x: torch.Tensor, mlp: nn.Module, gate_up_proj: ExpertMatrices
 
 
 def expert_gemm(x: torch.Tensor, weights: ExpertMatrices, expert: int) -> torch.Tensor:
-    """x [n, in] times expert `expert`'s matrix [in, out] -> [n, out] in x's dtype. A stored tensor in
-    another dtype (`compact_copy`) is cast back just before the GEMM, so the GEMM is the same; fbgemm's
+    """x [n, in] times expert `expert`'s matrix [in, out] -> [n, out] in x's dtype. An exact copy
+    (`target_cpu.ExpertCopy`) gives its float32 matrix back just before the GEMM, so the GEMM is the same; fbgemm's
     float16 copies (`half_copies`) multiply and sum in float32: the float32 GEMM's result up to
     summation order."""
     if isinstance(weights, list):
@@ -225,20 +225,6 @@ def half_copies(weight: torch.Tensor) -> list | None:
     if not exact_half(weight):
         return None
     return [torch.ops.quantized.linear_prepack_fp16(matrix.t().contiguous(), None) for matrix in weight]
-
-
-def compact_copy(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 copy of a float32 CPU weight that bf16 represents exactly (MXFP4 experts always are: a
-    2-bit-mantissa value times a power-of-two scale), else the weight itself (the copy serves the lean
-    CPU path only). A step's MoE is bound by reading expert weights: casting a routed expert's half-size
-    copy back to float32 cost less than reading the float32 original on an AMD EPYC VM (7% off an AR
-    step) and more on two Intel Xeon VMs (8-10%; docs/benchmarks.md, rounds 7 and 8), hence the choice
-    at start-up (`runtime/tuning.py`). The GEMM, hence the result, is the same."""
-    weight = weight.detach()
-    if weight.dtype != torch.float32 or weight.device.type != "cpu":
-        return weight
-    compact = weight.to(torch.bfloat16)
-    return compact if torch.equal(compact.float(), weight) else weight
 
 
 class KernelLinear:
@@ -327,13 +313,13 @@ class GptOssTarget(nn.Module):
                                                layer.mlp.experts, sinks))
         originals = [(layer.mlp.experts.gate_up_proj.detach(), layer.mlp.experts.down_proj.detach())
                      for layer in hf_model.model.layers]
-        compact = [(compact_copy(gate_up), compact_copy(down)) for gate_up, down in originals]
-        # where the MoE can read its experts from, by dtype name: the model's own, and bf16 / fbgemm float16 /
-        # int8-row copies where made
+        # where the MoE can read its experts from, by dtype name: the model's own, and bf16-pair / fbgemm float16 /
+        # int8-row / AMX-tile copies where made
         self.expert_storages: dict[str, list[tuple[ExpertMatrices, ExpertMatrices]]] = {
             str(originals[0][0].dtype).removeprefix("torch."): originals}
-        if any(c.dtype != o.dtype for pair, copies in zip(originals, compact) for o, c in zip(pair, copies)):
-            self.expert_storages["bfloat16"] = compact
+        pairs = [(target_cpu.bf16_pairs(gate_up), target_cpu.bf16_pairs(down)) for gate_up, down in originals]
+        if originals[0][0].dtype == torch.float32 and all(copy is not None for pair in pairs for copy in pair):
+            self.expert_storages["bfloat16"] = pairs
         half = [(half_copies(gate_up), half_copies(down)) for gate_up, down in originals]
         if all(copy is not None for pair in half for copy in pair):
             self.expert_storages["float16"] = half
