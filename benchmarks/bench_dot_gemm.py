@@ -1,5 +1,5 @@
-"""The drafter's GEMMs at its step's row counts: the compiled AVX512 GEMMs (`plugins/draft_block/dot_gemm.h`: bf16
-"dot", and int8 "dot-int8" where the CPU has AVX512-VNNI) beside fbgemm's float16-weight GEMM and oneDNN's prepacked
+"""The drafter's GEMMs at its step's row counts: the compiled dot GEMMs (`plugins/draft_block/dot_gemm.h`: bf16
+"dot", and int8 "dot-int8" where the CPU has AVX512-VNNI or AVX2) beside fbgemm's float16-weight GEMM and oneDNN's prepacked
 bf16 one, interleaved per repeat, with the FLOP rate. The ratio column compares bf16 "dot" with the best of the
 others (int8 excluded: it changes the numbers more).
 

@@ -344,12 +344,12 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
                    "fixed].")
 @click.option("--drafter-gemm-dtype", "drafter_gemm", type=click.Choice(DRAFTER_GEMM_DTYPES),
               help="dtype of the drafter step's GEMMs (weights and inputs; norms, attention and the residual stream "
-                   "keep --dtype). On a CPU with AVX512-VNNI / AVX512-BF16 int8 / bfloat16 are our compiled GEMM at "
-                   "every size (int8: inputs per row and weights per column quantized symmetrically, int32 sums; "
-                   "CPU only); elsewhere a narrower dtype serves only the GEMMs where it pays (README); float16 on "
+                   "keep --dtype). On a CPU with AVX2 (int8: AVX512-VNNI's or our vpmaddubsw kernel) / AVX512-BF16 or "
+                   "AVX2 (bfloat16) they are our compiled GEMM at every size (int8: inputs per row and weights per "
+                   "column quantized symmetrically, int32 sums; CPU only); elsewhere a narrower dtype serves only the GEMMs where it pays (README); float16 on "
                    "CPU is fbgemm's GEMM on float16 weights with float32 inputs. Drafts need not be exact: the target "
-                   "verifies them. auto, for a float32 drafter: int8 where the AVX512-VNNI "
-                   "GEMM runs, else bfloat16 where bf16 GEMMs are native (CUDA, a CPU with AVX512-BF16), else "
+                   "verifies them. auto, for a float32 drafter: int8 where our int8 GEMM runs (AVX512-VNNI or AVX2), "
+                   "else bfloat16 where bf16 GEMMs are native (CUDA, a CPU with AVX512-BF16), else "
                    "float16 where fbgemm runs (x86 CPUs), else --dtype [default: auto; reference backend, dflash and "
                    "dflash-sa only].")
 @click.option("--expert-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16", "int8", "amx"]),

@@ -145,7 +145,7 @@ def test_adaptive_draft_length_is_lossless_and_reported(tiny_pair, method):
     ("float32", "float32"), ("bfloat16", "bfloat16"),
     pytest.param("float16", "float16", marks=needs_fbgemm),
     pytest.param("int8", "int8", marks=pytest.mark.skipif(dot_kernel(torch.int8) is None,
-                                                          reason="no AVX512-VNNI int8 GEMM here")),
+                                                          reason="no int8 dot GEMM here")),
     ("auto", "int8" if dot_kernel(torch.int8) else "bfloat16" if native_bf16(torch.device("cpu")) or dot_kernel()
      else "float16" if fbgemm_fp16() else "float32")])
 def test_drafter_gemm_dtype_is_lossless_and_reported(tiny_pair, choice, expected):

@@ -1,4 +1,4 @@
-"""The compiled AVX512 GEMMs of the drafter (plugins/draft_block/dot_gemm.h): the bf16 one's sums against a float64
+"""The compiled dot GEMMs of the drafter (plugins/draft_block/dot_gemm.h): the bf16 one's sums against a float64
 GEMM of the bf16-rounded operands, the int8 one's against a float64 GEMM of the quantized operands, their packing,
 threads, refusals, and `CastLinear`'s use of them for bf16 and int8 GEMMs."""
 
@@ -17,7 +17,10 @@ from trtllm_dflash.runtime.accept import greedy_accept
 
 pytestmark = pytest.mark.skipif(cpu.dot_kernel() is None,
                                 reason=f"no AVX512-BF16 GEMM here ({cpu.unavailable_reason() or 'CPU lacks avx512_bf16'})")
-needs_int8 = pytest.mark.skipif(cpu.dot_kernel(torch.int8) is None, reason="no AVX512-VNNI int8 GEMM here")
+needs_int8 = pytest.mark.skipif(cpu.dot_kernel(torch.int8) is None, reason="no int8 dot GEMM here (no AVX2)")
+needs_greedy_head = pytest.mark.skipif(
+    cpu.dot_kernel(torch.int8) is None or not cpu.KERNEL.module().greedy_head_available(),
+    reason="no exact greedy head here (AVX512-VNNI)")
 
 
 def bf16_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -102,18 +105,19 @@ def test_a_bf16_cast_linear_runs_the_dot_gemm_where_it_serves():
 
 
 def int8_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The GEMM the int8 kernel promises: each row of x and each output column of W quantized symmetrically to
-    [-127, 127] with its own float32 scale (max |.| / 127; the row's reciprocal scale multiplied in float32, then
-    rounded to nearest even), exact integer products and sums, both scales applied in float64."""
-    def quantized(t: torch.Tensor, reciprocal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMM the int8 kernel promises: each row of x quantized symmetrically to [-L, L] (L = `int8_input_levels`:
+    127, or 63 on AVX2) and each output column of W to [-127, 127], each with its own float32 scale (max |.| / levels;
+    the row's reciprocal scale multiplied in float32, then rounded to nearest even), exact integer products and sums,
+    both scales applied in float64."""
+    def quantized(t: torch.Tensor, levels: int, reciprocal: bool) -> tuple[torch.Tensor, torch.Tensor]:
         amax = t.abs().amax(dim=-1, keepdim=True)
-        scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)) if reciprocal else (amax / 127).clamp_min(
-            torch.finfo(torch.float32).tiny)
+        scale = torch.where(amax > 0, amax / levels, torch.ones_like(amax)) if reciprocal else (
+            amax / levels).clamp_min(torch.finfo(torch.float32).tiny)
         q = (t * (1 / scale)).round() if reciprocal else (t / scale).round()
-        return q.clamp(-127, 127).double(), scale.double()
+        return q.clamp(-levels, levels).double(), scale.double()
 
-    qx, sx = quantized(x, reciprocal=True)
-    qw, sw = quantized(weight, reciprocal=False)
+    qx, sx = quantized(x, cpu.int8_input_levels(), reciprocal=True)
+    qw, sw = quantized(weight, 127, reciprocal=False)
     y = (qx @ qw.t()) * sx * sw.t()
     return y if bias is None else y + bias.double()
 
@@ -136,9 +140,10 @@ def test_int8_dot_linear_sums_the_quantized_products_exactly(rows, inputs, group
     expected = int8_reference(x, weight, bias)
     assert got.dtype == torch.float32 and got.shape == expected.shape
     assert (got.double() - expected).abs().max() <= 1e-6 * expected.abs().max() + 1e-5
-    # and the quantized GEMM is the float one to within 8-bit rounding of both operands
+    # and the quantized GEMM is the float one to within the rounding of both operands (half a step each)
     exact = F.linear(x, weight, bias).double()
-    bound = (x.abs().amax(-1, keepdim=True) @ weight.abs().amax(-1, keepdim=True).t()).double() * inputs / 127
+    steps = 0.5 / 127 + 0.5 / cpu.int8_input_levels()
+    bound = (x.abs().amax(-1, keepdim=True) @ weight.abs().amax(-1, keepdim=True).t()).double() * inputs * steps
     assert ((got.double() - exact).abs() <= bound + 1e-5).all()
 
 
@@ -166,10 +171,11 @@ def test_an_int8_cast_linear_runs_the_int8_dot_gemm_and_falls_back_to_bf16_where
     assert layer.dot and layer.weight.dtype == torch.uint8 and layer.scales is not None
     x = torch.randn(2, 7, 64, generator=gen)
     assert torch.equal(layer.native(x), cpu.dot_linear_cpu(x, layer.weight, layer.bias, layer.scales))
-    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=0.05, atol=0.15)
+    coarse = 127 / cpu.int8_input_levels()  # the inputs' step, relative to 127 levels
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=0.05 * coarse, atol=0.15 * coarse)
     odd = torch.randn(40, 64, generator=gen)  # 40 columns: no packed groups of 16
     assert linear.gemm_dtype(odd, torch.int8) == linear.gemm_dtype(odd, torch.bfloat16)
-    with pytest.raises(ValueError, match="AVX512-VNNI"):
+    with pytest.raises(ValueError, match="int8 dot GEMM"):
         CastLinear(odd, None, torch.int8)
 
 
@@ -184,7 +190,7 @@ def float32_greedy(hidden: torch.Tensor, drafts: torch.Tensor, weight: torch.Ten
     return greedy_accept(drafts, float64_logits(hidden, weight, bias).argmax(dim=-1))
 
 
-@needs_int8
+@needs_greedy_head
 @settings(max_examples=30, deadline=None)
 @given(batch=st.integers(1, 4), drafts=st.integers(0, 8), groups=st.integers(1, 40), inputs=st.sampled_from([32, 256]),
        with_bias=st.booleans(), near=st.floats(1e-4, 3e-2), seed=st.integers(0, 2**16))
@@ -214,7 +220,7 @@ def test_the_exact_greedy_head_takes_the_float32_argmax(batch, drafts, groups, i
     assert head.recomputed >= 1  # at least the first row's winner and its rival
 
 
-@needs_int8
+@needs_greedy_head
 def test_the_exact_greedy_head_refuses_what_it_does_not_take():
     head = cpu.ExactGreedyHead(torch.randn(32, 64), None)
     with pytest.raises(RuntimeError, match="drafts"):
@@ -223,7 +229,7 @@ def test_the_exact_greedy_head_refuses_what_it_does_not_take():
         head(torch.randn(1, 3, 32), torch.zeros(1, 2, dtype=torch.long))
 
 
-@needs_int8
+@needs_greedy_head
 def test_an_int8_drafter_head_reads_the_bytes_of_the_targets_exact_greedy_head():
     """One int8 packing of the LM head, not two: the drafter's logits read what the verify has just read."""
     from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config

@@ -169,13 +169,13 @@ def test_drafter_gemm_dtype_resolution(monkeypatch):
     assert drafter_gemm_dtype("auto", torch.float32, CPU) is None
 
 
-def test_int8_drafter_gemms_are_refused_where_the_vnni_kernel_does_not_run(monkeypatch):
+def test_int8_drafter_gemms_are_refused_where_the_int8_kernel_does_not_run(monkeypatch):
     from trtllm_dflash.errors import InputError
 
     with pytest.raises(InputError, match="CUDA"):
         drafter_gemm_dtype("int8", torch.float32, torch.device("cuda"))
     monkeypatch.setattr(draft_cpu, "dot_kernel", lambda dtype=torch.bfloat16: None)
-    with pytest.raises(InputError, match="AVX512-VNNI") as refused:
+    with pytest.raises(InputError, match="compiled int8 CPU kernel") as refused:
         drafter_gemm_dtype("int8", torch.float32, CPU)
     assert refused.value.field == "--drafter-gemm-dtype"
     monkeypatch.setattr(draft_cpu, "dot_kernel", lambda dtype=torch.bfloat16: object())
@@ -222,13 +222,18 @@ def test_target_lm_head_keeps_gradients_for_training(half):
 
 def test_the_dot_gemm_is_built_exactly_where_the_cpu_has_avx512_bf16_or_avx2(monkeypatch):
     """The kernels' module (built with -march=native) has the bf16 dot GEMM exactly where /proc/cpuinfo lists
-    avx512_bf16 or avx2 and fma, and its int8 one where it lists avx512_vnni; where it has none, a bf16 GEMM keeps oneDNN's path (or F.linear on the copy where oneDNN does not
-    pack)."""
+    avx512_bf16 or avx2 and fma, and its int8 one where it lists avx512_vnni or avx2 (127 input levels with
+    avx512_vnni, 63 without), and the exact greedy head only with avx512_vnni; where it has none, a bf16 GEMM keeps
+    oneDNN's path (or F.linear on the copy where oneDNN does not pack)."""
     module = draft_cpu.cpu_kernel()
     if module is not None:
         flags = cpu_flags().split()
         assert bool(module.dot_available()) == ("avx512_bf16" in flags or {"avx2", "fma"} <= set(flags))
-        assert bool(module.dot_int8_available()) == ("avx512_vnni" in flags)
+        assert bool(module.dot_int8_available()) == ("avx512_vnni" in flags or "avx2" in flags)
+        vnni = "avx512_vnni" in flags and "avx512bw" in flags
+        assert bool(module.greedy_head_available()) == vnni
+        if module.dot_int8_available():
+            assert module.dot_int8_input_levels() == (127 if vnni else 63)
     monkeypatch.setattr(draft_cpu.KERNEL, "module",
                         lambda: SimpleNamespace(dot_available=lambda: False, dot_int8_available=lambda: False))
     assert draft_cpu.dot_kernel() is None and not draft_cpu.dot_serves(torch.empty(32, 64))

@@ -106,8 +106,9 @@ DOT_DTYPES = (torch.bfloat16, torch.int8)  # the products the dot GEMM has
 
 def dot_kernel(dtype: torch.dtype = torch.bfloat16):
     """The compiled module where it has the GEMM with `dtype` products (`dot_gemm.h`: bf16 on a CPU with
-    AVX512-BF16, or through FMAs on one with AVX2 and FMA; int8 on one with AVX512-VNNI; the source built), else None.
-    (Built with -march=native, the module has a GEMM exactly where the CPU has its instructions.)"""
+    AVX512-BF16, or through FMAs on one with AVX2 and FMA; int8 on one with AVX512-VNNI, or through `vpmaddubsw` on
+    one with AVX2; the source built), else None. (Built with -march=native, the module has a GEMM exactly where the CPU
+    has its instructions.)"""
     module = cpu_kernel()
     if module is None or dtype not in DOT_DTYPES:
         return None
@@ -143,9 +144,21 @@ def dot_linear_cpu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
                    scales: torch.Tensor | None = None) -> torch.Tensor:
     """x float32 [..., in] @ W.T + bias (float32 [out] or None) from W's `dot_pack` (the packed weight and its scales)
     -> float32 [..., out]. bf16: x rounded to bf16, float32 products and sums (AVX512-BF16). int8: each row of x
-    quantized like the weight's columns (its own scale, max |x| / 127), int32 products and sums, then both scales
-    (AVX512-VNNI). Where `dot_serves` said so: a GEMM's hot path, so it asks nothing again."""
+    quantized symmetrically to `int8_input_levels()` levels a side with its own scale (max |x| / levels), int32
+    products and sums, then both scales. Where `dot_serves` said so: a GEMM's hot path, so it asks nothing again."""
     return KERNEL.module().dot_linear(x.contiguous(), packed, bias, scales)
+
+
+def int8_input_levels() -> int:
+    """How finely the int8 GEMM quantizes an input row: to [-levels, levels], 127 with AVX512-VNNI, 63 on AVX2 (where
+    `vpmaddubsw`'s 16-bit sums of two products would saturate past it)."""
+    return int(dot_kernel(torch.int8).dot_int8_input_levels())
+
+
+def greedy_head_serves(weight: torch.Tensor) -> bool:
+    """Whether `ExactGreedyHead` takes an LM head [V, H]: the int8 GEMM takes it and the module has the exact greedy
+    head (AVX512-VNNI: its error bound is for 127-level inputs)."""
+    return dot_serves(weight, torch.int8) and bool(KERNEL.module().greedy_head_available())
 
 
 class WholeDraftStep:
@@ -177,7 +190,7 @@ def arena_positions(positions: torch.Tensor | int) -> tuple[torch.Tensor | None,
 class ExactGreedyHead:
     """The target's greedy verify through its LM head's int8 copy with float32 argmaxes (`greedy_head.h`): each
     argmax is the float32 GEMM's, recomputed in float32 for the few outputs the int8 logits and their error bound
-    leave in doubt. Built where `dot_serves(weight, torch.int8)`."""
+    leave in doubt. Built where `greedy_head_serves(weight)`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.weight = weight.detach().float().contiguous()  # the head itself where it is float32 already

@@ -10,7 +10,9 @@
 // - int8 (AVX512-VNNI): `vpdpbusd` multiplies groups of four bytes into int32 sums at twice bf16's rate again, from
 //   half its weight bytes. Each input row is quantized per call, symmetrically to [-127, 127] with its own scale;
 //   each output column's weights once, with theirs, and stored offset by +128 (the instruction takes one unsigned
-//   operand), which the epilogue takes back out: sum (qw + 128) qx = sum qw qx + 128 sum qx.
+//   operand), which the epilogue takes back out: sum (qw + 128) qx = sum qw qx + 128 sum qx. On an AVX2 CPU the same
+//   layout goes through `vpmaddubsw` (pairs of products into 16-bit sums, which saturate) and `vpmaddwd` (those into
+//   32-bit ones): the inputs then lie in [-63, 63] (`kInputLevels`), so no 16-bit sum can saturate.
 //
 // Layout: the weight W [out, in] is packed once (`dot_pack` in cpu.py) as [out / 16, in / k, 16, k] (k = 2 bf16 or
 // 4 bytes: one 32-bit word): for each group of 16 output columns, its words of input rows one after another, so a
@@ -25,6 +27,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace dflash_dot {
@@ -41,8 +44,14 @@ constexpr bool kBuilt = false;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kInt8Built = true;
+constexpr int kInputLevels = 127;  // an input row's bytes lie in [-kInputLevels, kInputLevels]
+#elif defined(__AVX2__)
+constexpr bool kInt8Built = true;  // the same GEMM through `vpmaddubsw` (`madd_multiply`)
+constexpr int kInputLevels = 63;  // its 16-bit sums of two products, at most 2 x 255 x 63, cannot saturate
+#define DFLASH_INT8_BY_MADD 1
 #else
 constexpr bool kInt8Built = false;
+constexpr int kInputLevels = 127;
 #endif
 
 // What turns a tile's sums into outputs, from the tile's first row on.
@@ -190,6 +199,93 @@ void multiply(int64_t rows, const uint32_t* x, int64_t words, const uint32_t* w,
 
 #endif
 
+#if defined(DFLASH_INT8_BY_MADD) || defined(DFLASH_BF16_BY_FMA)
+// The AVX2 GEMMs' walk: each thread a span of column groups, 8 groups at a time for all rows, 4 rows at a time (the
+// chunk's weights stay in cache for the next rows); `tile(std::integral_constant<int, NR>, r, g)` multiplies rows
+// r .. r + NR - 1 by group g.
+template <class Tile>
+void walk_groups(int64_t rows, int64_t out, const Tile& tile) {
+  at::parallel_for(0, out / kGroup, 8, [&](int64_t first, int64_t last) {
+    for (int64_t chunk = first; chunk < last; chunk += 8)
+      for (int64_t r = 0; r < rows; r += 4)
+        for (int64_t g = chunk; g < std::min(chunk + 8, last); ++g) switch (std::min<int64_t>(4, rows - r)) {
+            case 4: tile(std::integral_constant<int, 4>{}, r, g); break;
+            case 3: tile(std::integral_constant<int, 3>{}, r, g); break;
+            case 2: tile(std::integral_constant<int, 2>{}, r, g); break;
+            default: tile(std::integral_constant<int, 1>{}, r, g); break;
+          }
+  });
+}
+#endif
+
+#if defined(DFLASH_INT8_BY_MADD)
+// x [in] float32 -> in / 4 words of signed bytes round(x / scale), scale = max |x| / kInputLevels (1 for a zero row);
+// returns the scale and sets `offset` to 128 x the bytes' sum. in a multiple of 32.
+inline float to_bytes(const float* x, int64_t in, uint32_t* words, int32_t* offset) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 peak = _mm256_setzero_ps();
+  for (int64_t i = 0; i < in; i += 8) peak = _mm256_max_ps(peak, _mm256_and_ps(_mm256_loadu_ps(x + i), magnitude));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, peak);
+  const float amax = *std::max_element(lanes, lanes + 8);
+  const float scale = amax > 0.f ? amax / kInputLevels : 1.f;
+  const __m256 inverse = _mm256_set1_ps(1.f / scale);
+  __m256i sum = _mm256_setzero_si256();
+  for (int64_t i = 0; i < in; i += 8) {
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), inverse));  // nearest even
+    sum = _mm256_add_epi32(sum, q);
+    const __m256i halves = _mm256_packs_epi32(q, q);
+    const __m256i bytes = _mm256_packs_epi16(halves, halves);  // per 128-bit half: its 4 bytes first
+    words[i / 4] = static_cast<uint32_t>(_mm256_extract_epi32(bytes, 0));
+    words[i / 4 + 1] = static_cast<uint32_t>(_mm256_extract_epi32(bytes, 4));
+  }
+  alignas(32) int32_t sums[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sums), sum);
+  int32_t total = 0;
+  for (const int32_t v : sums) total += v;
+  *offset = 128 * total;
+  return scale;
+}
+
+// y[r][col : col + 16] for NR rows from one packed int8 group (`words` words per column): 2 x NR int32 sums of 8
+// columns in registers, each step a word of 4 inputs: `vpmaddubsw` (weight bytes unsigned, input bytes signed) into
+// 16-bit pair sums, `vpmaddwd` by ones into the 32-bit sum of the four, as `vpdpbusd` gives it.
+template <int NR>
+void madd_tile(const uint32_t* x, int64_t words, const uint32_t* w, const Epilogue& e, int64_t col, float* y,
+               int64_t out) {
+  __m256i acc[NR][2];
+  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t p = 0; p < words; ++p)
+    for (int h = 0; h < 2; ++h) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * kGroup + h * 8));
+      for (int r = 0; r < NR; ++r) {
+        const __m256i xv = _mm256_set1_epi32(static_cast<int>(x[r * words + p]));
+        acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
+      }
+    }
+  for (int r = 0; r < NR; ++r) {
+    const __m256 row_scale = _mm256_set1_ps(e.row_scale[r]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i exact = _mm256_sub_epi32(acc[r][h], _mm256_set1_epi32(e.row_offset[r]));
+      __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(exact),
+                               _mm256_mul_ps(row_scale, _mm256_loadu_ps(e.col_scale + col + h * 8)));
+      if (e.bias) v = _mm256_add_ps(v, _mm256_loadu_ps(e.bias + col + h * 8));
+      _mm256_storeu_ps(y + r * out + col + h * 8, v);
+    }
+  }
+}
+
+// Every row of x (`rows` x `words` input words) times the packed int8 weight.
+inline void madd_multiply(int64_t rows, const uint32_t* x, int64_t words, const uint32_t* w, const Epilogue& e,
+                          float* y, int64_t out) {
+  walk_groups(rows, out, [&](auto nr, int64_t r, int64_t g) {
+    madd_tile<decltype(nr)::value>(x + r * words, words, w + g * words * kGroup, e.from_row(r), g * kGroup,
+                                   y + r * out, out);
+  });
+}
+#endif
+
 #if defined(DFLASH_BF16_BY_FMA)
 // The bf16 GEMM where the CPU has no bf16 dot product (AVX2): the same products, each exact in float32 (8-bit
 // mantissas), summed by FMAs into float32 at the FMA's rate instead of twice it. The packed layout is the AVX512
@@ -233,25 +329,12 @@ void fma_tile(const float* x, int64_t in, const uint32_t* w, int64_t pairs, cons
     }
 }
 
-// Every row of x (bf16-rounded float32 rows of `in`) times the packed weight: each thread a span of column groups,
-// 8 groups at a time for all rows, 4 rows at a time (the chunk's weights stay in cache for the next rows).
+// Every row of x (bf16-rounded float32 rows of `in`) times the packed weight.
 inline void fma_multiply(int64_t rows, const float* x, int64_t in, const uint32_t* w, const float* bias, float* y,
                          int64_t out) {
   const int64_t pairs = in / 2;
-  at::parallel_for(0, out / kGroup, 8, [&](int64_t first, int64_t last) {
-    for (int64_t chunk = first; chunk < last; chunk += 8)
-      for (int64_t r = 0; r < rows; r += 4)
-        for (int64_t g = chunk; g < std::min(chunk + 8, last); ++g) {
-          const float* xr = x + r * in;
-          const uint32_t* wg = w + g * pairs * kGroup;
-          float* yr = y + r * out;
-          switch (std::min<int64_t>(4, rows - r)) {
-            case 4: fma_tile<4>(xr, in, wg, pairs, bias, g * kGroup, yr, out); break;
-            case 3: fma_tile<3>(xr, in, wg, pairs, bias, g * kGroup, yr, out); break;
-            case 2: fma_tile<2>(xr, in, wg, pairs, bias, g * kGroup, yr, out); break;
-            default: fma_tile<1>(xr, in, wg, pairs, bias, g * kGroup, yr, out); break;
-          }
-        }
+  walk_groups(rows, out, [&](auto nr, int64_t r, int64_t g) {
+    fma_tile<decltype(nr)::value>(x + r * in, in, w + g * pairs * kGroup, pairs, bias, g * kGroup, y + r * out, out);
   });
 }
 #endif
@@ -259,10 +342,10 @@ inline void fma_multiply(int64_t rows, const float* x, int64_t in, const uint32_
 }  // namespace dflash_dot
 
 // Whether this build has the bf16 / int8 GEMM (built with -march=native: a CPU with AVX512-BF16 or AVX2 and FMA /
-// AVX512-VNNI);
-// `dot_linear` raises where not.
+// AVX512-VNNI or AVX2); `dot_linear` raises where not. And the int8 GEMM's input levels (`kInputLevels`).
 inline bool dot_available() { return dflash_dot::kBuilt; }
 inline bool dot_int8_available() { return dflash_dot::kInt8Built; }
+inline int64_t dot_int8_input_levels() { return dflash_dot::kInputLevels; }
 
 // x float32 [..., in] (contiguous) times the packed weight plus bias float32 [out] or None -> float32 [..., out]; in a
 // multiple of 32. The weight: bf16 [out / 16, in / 2, 16, 2], or uint8 [out / 16, in / 4, 16, 4] (quantized + 128)
@@ -271,8 +354,8 @@ inline torch::Tensor dot_linear(const torch::Tensor& x, const torch::Tensor& pac
                                 const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& scales) {
   using namespace dflash_dot;
   const bool int8 = packed.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(int8 ? kInt8Built : kBuilt, "this build has no ", int8 ? "AVX512-VNNI int8" : "AVX512-BF16",
-              " GEMM (the CPU lacks the instruction)");
+  TORCH_CHECK(int8 ? kInt8Built : kBuilt, "this build has no ", int8 ? "int8" : "bf16",
+              " GEMM (the CPU lacks the instructions)");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be a contiguous float32 CPU tensor");
   const int64_t per_word = int8 ? 4 : 2;
@@ -302,7 +385,7 @@ inline torch::Tensor dot_linear(const torch::Tensor& x, const torch::Tensor& pac
   const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr());
   float* yp = y.data_ptr<float>();
   if (int8) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(DFLASH_INT8_BY_MADD)
     std::vector<uint32_t> x_words(rows * words);
     std::vector<float> row_scale(rows);
     std::vector<int32_t> row_offset(rows);
@@ -310,7 +393,11 @@ inline torch::Tensor dot_linear(const torch::Tensor& x, const torch::Tensor& pac
       row_scale[r] = to_bytes(xp + r * in, in, x_words.data() + r * words, row_offset.data() + r);
     e.row_scale = row_scale.data();
     e.row_offset = row_offset.data();
+#if defined(DFLASH_INT8_BY_MADD)
+    madd_multiply(rows, x_words.data(), words, w, e, yp, out);
+#else
     multiply<Int8Products>(rows, x_words.data(), words, w, e, yp, out);
+#endif
 #endif
   } else {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)

@@ -89,6 +89,15 @@ inline int64_t certified_argmax(const float* x, int64_t n, const float* approx, 
 }  // namespace dflash_dot
 #endif
 
+// Whether this build has `exact_greedy_verify` (AVX512-VNNI: its bound assumes inputs quantized to 127 levels).
+inline bool greedy_head_available() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // The greedy accept rule of a verify from the target's final-normed hidden states [b, K + 1, H] (float32, contiguous)
 // and the drafts int64 [b, K], through the LM head W [V, H] float32 (contiguous), its `dot_pack` int8 copy (`packed`,
 // `scales`), its bias float32 [V] or None and `abs_sum` float32 [V] (each row's sum of |W|): per request the drafts
@@ -98,7 +107,7 @@ inline std::vector<torch::Tensor> exact_greedy_verify(const torch::Tensor& hidde
                                                       const torch::Tensor& weight, const torch::Tensor& packed,
                                                       const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias,
                                                       const torch::Tensor& abs_sum) {
-  TORCH_CHECK(dflash_dot::kInt8Built, "this build has no AVX512-VNNI int8 GEMM (the CPU lacks the instruction)");
+  TORCH_CHECK(greedy_head_available(), "this build has no exact greedy head (the CPU lacks AVX512-VNNI)");
   TORCH_CHECK(hidden.scalar_type() == torch::kFloat32 && hidden.dim() == 3 && hidden.is_contiguous(),
               "hidden must be contiguous float32 [b, K + 1, H]");
   TORCH_CHECK(drafts.scalar_type() == torch::kInt64 && drafts.dim() == 2 && drafts.is_contiguous() &&

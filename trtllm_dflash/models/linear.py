@@ -144,7 +144,7 @@ def gemm_dtype(weight: torch.Tensor, wanted: torch.dtype | None) -> torch.dtype:
         return weight.dtype
     if wanted in draft_cpu.DOT_DTYPES and draft_cpu.dot_serves(weight, wanted):
         return wanted  # the compiled dot GEMM, at every size
-    if wanted == torch.int8:  # only the compiled AVX512-VNNI GEMM multiplies int8; else the bf16 it stands in for
+    if wanted == torch.int8:  # only the compiled int8 dot GEMM multiplies int8; else the bf16 it stands in for
         return gemm_dtype(weight, torch.bfloat16)
     if half_weights(wanted, weight.device) or wanted.itemsize >= weight.dtype.itemsize:
         return wanted
@@ -184,8 +184,8 @@ class CastLinear:
             self.bias = None if bias is None else bias.detach().float().contiguous()
             return
         if dtype == torch.int8:
-            raise ValueError("int8 GEMMs run only in the compiled AVX512-VNNI kernel (`gemm_dtype` picks another dtype "
-                             "where it does not serve)")
+            raise ValueError("int8 GEMMs run only in the compiled int8 dot GEMM, AVX512-VNNI or AVX2 (`gemm_dtype` "
+                             "picks another dtype where it does not serve)")
         self.packed = onednn_packs(dtype, weight.device)
         self.half = half_weights(dtype, weight.device)
         wider = self.packed and weight.dtype.itemsize > dtype.itemsize
@@ -231,12 +231,13 @@ DRAFTER_GEMM_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")  # the 
 def drafter_gemm_dtype(choice: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
     """`dflash-run --drafter-gemm-dtype` -> `DFlashProposer(matmul_dtype=...)` (None: the model's dtype),
     the dtype of the drafter step's GEMMs where `gemm_dtype` admits it.
-    auto, for a float32 drafter: int8 where the compiled AVX512-VNNI GEMM runs (a CPU with it: the drafter step in
-    0.74x bf16's time inside the loop, pooled tau within 0.01 on the embedded pair, round 19), else bfloat16 where
+    auto, for a float32 drafter: int8 where the compiled int8 GEMM runs (AVX512-VNNI: the drafter step in 0.74x bf16's
+    time inside the loop, pooled tau within 0.01 on the embedded pair, round 19; AVX2, `vpmaddubsw` with inputs on 63
+    levels: 0.67x, tau 2.77 against 2.79, round 24), else bfloat16 where
     the compiled bf16 GEMM runs (AVX512-BF16, or FMAs on AVX2: then the whole drafter step is one compiled call,
     round 23) or bf16 GEMMs are native here, else float16 where fbgemm's fp16-weight GEMM runs (x86 CPUs), else the
     model's dtype.
-    int8 runs only in that GEMM: asked for on a CPU without it (or on CUDA), it is an `InputError`."""
+    int8 runs only in that GEMM: asked for on a CPU without it (no AVX2) or on CUDA, it is an `InputError`."""
     int8_runs = device.type == "cpu" and draft_cpu.dot_kernel(torch.int8) is not None
     if choice == "auto":
         if model_dtype != torch.float32:
@@ -247,9 +248,9 @@ def drafter_gemm_dtype(choice: str, model_dtype: torch.dtype, device: torch.devi
             return torch.bfloat16
         return torch.float16 if half_weights(torch.float16, device) else None
     if choice == "int8" and not int8_runs:
-        reason = ((draft_cpu.unavailable_reason() or "the CPU lacks AVX512-VNNI") if device.type == "cpu"
+        reason = ((draft_cpu.unavailable_reason() or "the CPU lacks AVX512-VNNI and AVX2") if device.type == "cpu"
                   else "a CUDA device")
-        raise InputError(f"int8 drafter GEMMs run only in the compiled AVX512-VNNI CPU kernel, not here ({reason}).",
+        raise InputError(f"int8 drafter GEMMs run only in the compiled int8 CPU kernel, not here ({reason}).",
                          field="--drafter-gemm-dtype")
     wanted = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}[choice]
     return None if wanted == model_dtype else wanted

@@ -15,10 +15,10 @@ them exactly, `exact_dtype`), RMSNorm is one layer_norm kernel on CPU (`lean_rms
 q and k in one go, each step builds one additive mask per window kind for all layers,
 attention is one fused kernel on CPU, and the MoE multiplies only the experts a block routes to
 (`routed_experts`), reading them as float32 or, where the checkpoint's experts allow, from exact bf16
-pairs (`target_cpu.bf16_pairs`), exact int8 rows (`target_cpu.int8_rows`: MXFP4 experts), AMX tiles of the bf16 values on
-a CPU with AMX (`target_cpu.amx_tiles`) or fbgemm's float16 ones (`half_copies`); all but the float16 ones through
-one call of the compiled CPU MoE kernel after the router where it builds (`plugins/target/cpu.py`), the float16
-ones through a GEMM per routed expert. Which is fastest depends on the machine, so the runtime times them
+pairs (`target_cpu.bf16_pairs`), exact int8 rows (`target_cpu.int8_rows`: MXFP4 experts), AMX tiles of the bf16
+values on a CPU with AMX (`target_cpu.amx_tiles`) or fbgemm's float16 ones (`half_copies`); all but the float16
+ones through one call of the compiled CPU MoE kernel after the router where it builds (`plugins/target/cpu.py`),
+the float16 ones through a GEMM per routed expert. Which is fastest depends on the machine, so the runtime times them
 at start-up: `use_expert_storage`, `runtime/tuning.py`. Where the compiled CPU kernels build, a layer's
 RoPE, K/V write and attention are one call too (masks from positions, none built), and so is each
 residual add with the RMSNorm after it (`use_cpu_kernels`, `compiled_parts`).
@@ -337,7 +337,7 @@ class GptOssTarget(nn.Module):
         self.head = CastLinear(head.weight, head.bias, exact_dtype(head.weight))
         # a greedy verify's argmaxes through the head's int8 copy, exactly (`accept.greedy_verify_block`)
         self.greedy_head = (draft_cpu.ExactGreedyHead(head.weight, head.bias)
-                            if lean and draft_cpu.dot_serves(head.weight, torch.int8) else None)
+                            if lean and draft_cpu.greedy_head_serves(head.weight) else None)
 
     def use_expert_storage(self, name: str) -> None:
         """Read the experts from `expert_storages[name]` from now on: the same numbers from the bf16 copies and the
