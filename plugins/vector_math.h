@@ -55,6 +55,18 @@ inline float lane_sum(fvec v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// The lane sums of 8 vectors as one vector (lane u: the sum of v[u]'s lanes), by horizontal adds: ~10 instructions
+// for what 8 `lane_sum`s do in ~40.
+inline fvec lane_sums(const fvec v[8]) {
+  const auto m = [&](int u) { return reinterpret_cast<__m256>(v[u]); };
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(m(0), m(1)), _mm256_hadd_ps(m(2), m(3)));
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(m(4), m(5)), _mm256_hadd_ps(m(6), m(7)));
+  return reinterpret_cast<fvec>(_mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                                              _mm256_permute2f128_ps(low, high, 0x31)));
+}
+#endif
+
 // e^x, in a form the compiler vectorizes: x = k ln 2 + f, e^f by a degree-6 Taylor polynomial on
 // |f| <= ln2 / 2 (relative error < 3e-7), 2^k through the exponent bits; below -87 (-inf included) 0, above 88
 // e^88.
