@@ -142,11 +142,11 @@ def rms_norm(x: torch.Tensor, norm: nn.Module, doubled: torch.Tensor) -> torch.T
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.Module, doubled: torch.Tensor,
-                 compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add x + delta and its `rms_norm`; `compiled`: one call of the compiled CPU kernel where it
-    takes them (contiguous float32 CPU tensors; `plugins/draft_block/cpu.py`), the same values to float32
+                 fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add x + delta and its `rms_norm`; `fused` (the compiled CPU kernel serves x's float32 CPU
+    stream, `plugins/draft_block/cpu.py`): one call of it where both are contiguous, the same values to float32
     rounding, in place of the add and the norm's three kernels."""
-    if compiled and x.is_contiguous() and delta.is_contiguous() and draft_cpu.serves(x, delta):
+    if fused and x.is_contiguous() and delta.is_contiguous():
         total, normed = draft_cpu.add_rms_norm_cpu(x, delta, doubled, norm.variance_epsilon)
         return total, normed
     x = x + delta
@@ -454,11 +454,13 @@ class GptOssTarget(nn.Module):
             masks = {w: attention_bias(mask, self.groups, x.dtype) for w, mask in masks.items()}
         captured = {}
         b, t, _ = x.shape
-        h = rms_norm(x, *self.first_norm)
+        fused_norms = compiled and draft_cpu.serves(x)  # asked once a step, not at each of its eight norms
+        norm, doubled = self.first_norm
+        h = draft_cpu.rms_norm_cpu(x, doubled, norm.variance_epsilon) if fused_norms else rms_norm(x, norm, doubled)
         for i, parts in enumerate(self.layer_parts):
             attention = self.attention(i, h, cos, sin, positions, cache, kv_len, masks.get(self.windows[i]),
                                        compiled_attention)
-            x, h = add_rms_norm(x, attention, parts.post_attention_norm, self.norm_weights[i][1], compiled)
+            x, h = add_rms_norm(x, attention, parts.post_attention_norm, self.norm_weights[i][1], fused_norms)
             if compiled and self.moe_calls[i] is not None and not hooked(parts.experts, parts.router):
                 moe = self.moe_calls[i](h.view(b * t, -1)).view(b, t, -1)
             elif lean and not hooked(parts.experts):
@@ -466,7 +468,7 @@ class GptOssTarget(nn.Module):
                                      compiled=compiled).view(b, t, -1)
             else:
                 moe = parts.mlp(h)[0]
-            x, h = add_rms_norm(x, moe, *self.next_norms[i], compiled)  # each residual add with the norm after it
+            x, h = add_rms_norm(x, moe, *self.next_norms[i], fused_norms)  # each residual add with the norm after it
             if i in feature_layers:
                 captured[i] = x
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
