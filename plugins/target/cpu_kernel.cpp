@@ -49,8 +49,11 @@ constexpr int kPairRows = 3;  // bf16 pairs: 3 rows the fastest from 1 to 16 row
 inline fvec load(const int8_t* p) {  // int8 -> float32, exactly
 #if defined(__AVX512F__)
   return reinterpret_cast<fvec>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-#else
+#elif defined(__AVX2__)
   return reinterpret_cast<fvec>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else  // an x86-64 CPU without AVX2: whatever the compiler makes of it, so that the module still builds
+  typedef int8_t bytes_u __attribute__((vector_size(kLanes), aligned(1)));
+  return __builtin_convertvector(*reinterpret_cast<const bytes_u*>(p), fvec);
 #endif
 }
 
