@@ -317,6 +317,32 @@ def bf16_exact(*shape: int, seed: int, std: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * std).bfloat16().float()
 
 
+def linear_case(rows: int, inputs: int, outputs: int, with_bias: bool, seed: int):
+    """A bf16-exact weight [inputs, outputs], a bias or None, and rows of x scaled by a power of two."""
+    weight, bias = bf16_exact(inputs, outputs, seed=seed), torch.randn(outputs) if with_bias else None
+    x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(seed + 1)) * 2.0 ** (seed % 9 - 4)
+    return weight, bias, x
+
+
+def assert_exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stored) -> torch.Tensor:
+    """`linear_cpu` from `stored` (weight's copy in a kernel layout): every output within float32 summation rounding of
+    the float64 product, each row the same bits as that row alone (a step's numbers do not depend on its width) and
+    on two threads. Returns the outputs."""
+    got = cpu.linear_cpu(x, stored, bias)
+    expected = x.double() @ weight.double() + (0 if bias is None else bias.double())
+    magnitudes = x.double().abs() @ weight.double().abs() + (0 if bias is None else bias.double().abs())
+    bound = magnitudes * x.shape[-1] * 2.0**-23
+    assert got.shape == expected.shape and bool(((got.double() - expected).abs() <= bound + 1e-30).all())
+    assert torch.equal(cpu.linear_cpu(x[-1:].contiguous(), stored, bias), got[-1:])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(cpu.linear_cpu(x, stored, bias), got)
+    finally:
+        torch.set_num_threads(threads)
+    return got
+
+
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 20), inputs=st.sampled_from([2, 16, 64, 256]), outputs=st.sampled_from([16, 48, 80, 512]),
        with_bias=st.booleans(), seed=st.integers(0, 2**16))
@@ -324,21 +350,9 @@ def test_linear_from_bf16_pairs_gives_the_float32_weights_bits(rows, inputs, out
     """The pair layout changes how the kernel widens the weights, not the products or the order of the sums: the
     float32 weight's bits (themselves within float32 summation rounding of the float64 product), over row counts that
     fill the passes in every way, each row the same bits as that row alone and on two threads."""
-    weight, bias = bf16_exact(inputs, outputs, seed=seed), torch.randn(outputs) if with_bias else None
-    x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(seed + 1)) * 2.0 ** (seed % 9 - 4)
-    pairs = cpu.bf16_pairs(weight)
-    got = cpu.linear_cpu(x, pairs, bias)
+    weight, bias, x = linear_case(rows, inputs, outputs, with_bias, seed)
+    got = assert_exact_linear(x, weight, bias, cpu.bf16_pairs(weight))
     assert torch.equal(got, cpu.linear_cpu(x, weight, bias))
-    expected = x.double() @ weight.double() + (0 if bias is None else bias.double())
-    bound = (x.double().abs() @ weight.double().abs() + (0 if bias is None else bias.double().abs())) * inputs * 2.0**-23
-    assert got.shape == (rows, outputs) and bool(((got.double() - expected).abs() <= bound + 1e-30).all())
-    assert torch.equal(cpu.linear_cpu(x[-1:].contiguous(), pairs, bias), got[-1:])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert torch.equal(cpu.linear_cpu(x, pairs, bias), got)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_bf16_pairs_hold_the_matrix_and_refuse_what_they_cannot():
@@ -369,20 +383,8 @@ def test_amx_linear_equals_the_float64_product_to_float32_rounding(rows, inputs,
     """Inputs split into three bf16 parts: every output within float32 summation rounding of the float64 product
     (over row counts that fill 16-row tiles in every way and column counts that fill 3-tile groups in every way),
     and each row the same bits as that row alone (a step's numbers do not depend on its width) and on two threads."""
-    weight, bias = bf16_exact(inputs, outputs, seed=seed), torch.randn(outputs) if with_bias else None
-    x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(seed + 1)) * 2.0 ** (seed % 9 - 4)
-    tiles = cpu.amx_tiles(weight)
-    got = cpu.linear_cpu(x, tiles, bias)
-    expected = x.double() @ weight.double() + (0 if bias is None else bias.double())
-    bound = (x.double().abs() @ weight.double().abs() + (0 if bias is None else bias.double().abs())) * inputs * 2.0**-23
-    assert got.shape == (rows, outputs) and bool(((got.double() - expected).abs() <= bound + 1e-30).all())
-    assert torch.equal(cpu.linear_cpu(x[-1:].contiguous(), tiles, bias), got[-1:])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert torch.equal(cpu.linear_cpu(x, tiles, bias), got)
-    finally:
-        torch.set_num_threads(threads)
+    weight, bias, x = linear_case(rows, inputs, outputs, with_bias, seed)
+    assert_exact_linear(x, weight, bias, cpu.amx_tiles(weight))
 
 
 @amx

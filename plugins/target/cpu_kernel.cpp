@@ -556,7 +556,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ weight [in, out] + bias (float32 math; float32 weight, bf16 pairs or AMX tiles)");
   m.def("route", &route, "gpt-oss router: top-k experts and their softmax (float32)");
-  m.def("routed_experts", &routed_experts, "gpt-oss routed experts (float32 or bf16 weights)");
+  m.def("routed_experts", &routed_experts, "gpt-oss routed experts (float32, bf16 pairs, int8 rows or AMX tiles)");
   m.def("moe", &moe, "a gpt-oss layer's router and routed experts in one call");
   m.def("amx_available", &dflash_amx::available, "whether this build and CPU run the AMX-BF16 GEMM");
   m.def("sink_attention", &sink_attention, "a target layer's RoPE, K/V write and attention with sinks (float32)");

@@ -340,7 +340,7 @@ class GptOssTarget(nn.Module):
                             if lean and draft_cpu.greedy_head_serves(head.weight) else None)
 
     def use_expert_storage(self, name: str) -> None:
-        """Read the experts from `expert_storages[name]` from now on: the same numbers from the bf16 copies and the
+        """Read the experts from `expert_storages[name]` from now on: the same numbers from the bf16 pairs and the
         int8 rows, the same to float32 rounding from the float16 ones and the AMX tiles."""
         self.expert_weights = self.expert_storages[name]  # per layer (gate_up, down)
         self.expert_storage = name
