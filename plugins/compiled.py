@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 
 DISABLE_VARIABLE = "TRTLLM_DFLASH_CPU_KERNEL"  # "0": every compiled CPU kernel off
-HEADER = Path(__file__).with_name("vector_math.h")  # included by every kernel source
+PLUGINS = Path(__file__).parent  # its headers (vector_math.h, norms.h, each kernel's own) may be included by any source
 
 
 @functools.cache
@@ -45,8 +45,8 @@ class CompiledKernel:
 
     def build_name(self) -> str:
         key = [cpu_flags(), torch.__version__, sys.implementation.cache_tag]  # a build serves one CPU, torch and Python
-        headers = [HEADER, *sorted(self.source.parent.glob("*.h"))]  # the shared header and the source's own
-        sources = self.source.read_bytes() + b"".join(h.read_bytes() for h in headers)  # a change to any rebuilds
+        headers = sorted(PLUGINS.rglob("*.h"))  # a change to any header rebuilds every kernel: simpler than tracking
+        sources = self.source.read_bytes() + b"".join(h.read_bytes() for h in headers)  # which source includes which
         digest = hashlib.sha256(sources + "\n".join(key).encode()).hexdigest()
         return f"{self.prefix}_{digest[:12]}"
 

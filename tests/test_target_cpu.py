@@ -427,3 +427,60 @@ def test_amx_switched_off_leaves_the_avx512_paths(monkeypatch):
     target = GptOssTarget(random_target(tiny_target_config(), seed=5))
     assert "amx" not in target.expert_storages
     assert not any(isinstance(k.weight, cpu.AmxTiles) for k in target.qkv_kernel + target.o_proj_kernel if k)
+
+
+def exact_storage_target(seed: int) -> GptOssTarget:
+    """A tiny target whose experts are MXFP4 values and whose attention weights are bf16 values (as a gpt-oss
+    checkpoint's): every storage the kernels take serves it."""
+    hf = random_target(tiny_target_config(experts=4, intermediate_size=64), seed=seed)
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            experts = layer.mlp.experts
+            for name, weight in (("gate_up_proj", experts.gate_up_proj), ("down_proj", experts.down_proj)):
+                weight.copy_(mxfp4_experts(*weight.shape, seed=seed + 2 * i + (name == "down_proj")))
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                               layer.self_attn.o_proj):
+                projection.weight.copy_(projection.weight.bfloat16().float())
+    return GptOssTarget(hf)
+
+
+def test_the_whole_step_is_the_per_call_path_bit_for_bit():
+    """`TargetStep` (the decoder layers in one compiled call) against the same layers part by part, on every expert
+    storage the kernels take: the same final-normed hidden states, features and K/V bit for bit, at one token, a block
+    of 8 and a ragged batch of 3."""
+    target = exact_storage_target(seed=4)
+    storages = [name for name in target.expert_storages if name not in ("float16", "amx")]
+    assert {"float32", "bfloat16", "int8"} <= set(storages)
+    assert all(isinstance(kernel.weight, (cpu.Bf16Pairs, cpu.AmxTiles)) for kernel in target.qkv_kernel)
+    generator = torch.Generator().manual_seed(1)
+    for storage in storages:
+        target.use_expert_storage(storage)
+        assert target.whole_step() is not None
+        for batch, width, context in ((1, 1, 30), (1, 8, 21), (3, 3, 17)):
+            prompt = torch.randint(0, target.vocab_size, (batch, context), generator=generator)
+            block = torch.randint(0, target.vocab_size, (batch, width), generator=generator)
+            starts = torch.arange(batch) * 3 + context  # ragged: each row's block at its own position
+            runs = []
+            for whole in (True, False):
+                target.use_whole_step = whole
+                cache = target.new_cache(batch, context + batch * 3 + width)
+                target(prompt, torch.arange(context).expand(batch, -1), cache, [])
+                hidden, features = target(block, starts[:, None] + torch.arange(width), cache, [2, 0], head=False)
+                runs.append((hidden, features, cache.keys, cache.values))
+            target.use_whole_step = True
+            for got, expected in zip(*runs):
+                assert torch.equal(got, expected), (storage, batch, width)
+            assert runs[0][1].shape == (batch, width, 2 * target.hidden_size)
+
+
+def test_a_hook_sends_the_step_down_the_per_call_path():
+    """Calibration hooks a router: the step then runs part by part, so the hook sees the router's input."""
+    target = exact_storage_target(seed=6)
+    seen = []
+    handle = target.layer_parts[1].router.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0]))
+    try:
+        target(torch.tensor([[3, 4, 5]]), torch.arange(3)[None], target.new_cache(1, 3), [])
+    finally:
+        handle.remove()
+    assert len(seen) == 1 and seen[0].shape == (3, target.hidden_size)
+    assert target.whole_step() is not None  # served, but not taken while hooked

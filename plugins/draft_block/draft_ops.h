@@ -7,12 +7,13 @@
 // weight) and the rotation by cos/sin (`rope.rotate`: x * cos + roll(x, D/2) * sin, sin signed) to q and k_blk
 // first, so the raw q/k/v GEMM output goes in as strided views, and the block's K/V stay in the call (the
 // arena is only read, on [0, ctx_lens[i])). The others fuse a residual add with the next RMSNorm, SwiGLU's
-// gate, the committed tokens' context K/V writes and the greedy drafts with their confidence.
+// gate, the committed tokens' context K/V writes and the greedy drafts with their confidence (the norms: ../norms.h).
 
 #pragma once
 
 #include <torch/extension.h>
 
+#include "../norms.h"
 #include "../vector_math.h"
 
 #include <algorithm>
@@ -24,6 +25,7 @@
 namespace {
 
 using namespace dflash_vec;
+using dflash_norms::rows_of;
 
 // x [D] (stride 1) -> out: RMSNorm times w, then the rotation; without w, a copy.
 void prologue(const float* x, int64_t d, const float* w, const float* cos, const float* sin, float eps,
@@ -199,33 +201,6 @@ inline torch::Tensor draft_block_attention(torch::Tensor q, torch::Tensor k_blk,
 namespace {
 
 template <typename T>
-const T* rows_of(const torch::Tensor& t, int64_t width, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.size(-1) == width, name, " must be a contiguous CPU tensor [..., ",
-              width, "]");
-  return t.data_ptr<T>();
-}
-
-template <typename T>
-void add_rms_norm_rows(const float* x, const T* delta, const float* w, float eps, int64_t rows, int64_t width,
-                       float* sum, float* normed) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * width;
-    const T* dr = delta + r * width;
-    float* sr = sum + r * width;
-    float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-    for (int64_t e = 0; e < width; ++e) {
-      sr[e] = xr[e] + static_cast<float>(dr[e]);
-      squares += sr[e] * sr[e];
-    }
-    const float inv = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
-    float* nr = normed + r * width;
-#pragma omp simd
-    for (int64_t e = 0; e < width; ++e) nr[e] = sr[e] * inv * w[e];
-  }
-}
-
-template <typename T>
 void silu_mul_rows(const T* gate_up, int64_t rows, int64_t half, T* out) {
   float gate[kLanes], up[kLanes], result[kLanes];
   for (int64_t r = 0; r < rows; ++r) {
@@ -253,30 +228,6 @@ void silu_mul_rows(const T* gate_up, int64_t rows, int64_t half, T* out) {
 
 }  // namespace
 
-// The residual add and the next RMSNorm in one pass: x float32 [..., H], delta float32 or bf16 [..., H]
-// (a GEMM's output), weight: the norm's [H] (or more: the first H entries are read). -> (x + delta, RMSNorm
-// of it times the weight), both float32.
-inline std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be float32");
-  const int64_t width = x.size(-1), rows = x.numel() / std::max<int64_t>(width, 1);
-  TORCH_CHECK(delta.sizes() == x.sizes(), "delta must have x's shape");
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() && weight.numel() >= width,
-              "weight must be float32 with at least H entries");
-  auto sum = torch::empty_like(x), normed = torch::empty_like(x);
-  const float* xp = rows_of<float>(x, width, "x");
-  const float* wp = weight.data_ptr<float>();
-  const float feps = static_cast<float>(eps);
-  if (delta.scalar_type() == torch::kFloat32) {
-    add_rms_norm_rows(xp, rows_of<float>(delta, width, "delta"), wp, feps, rows, width, sum.data_ptr<float>(),
-                      normed.data_ptr<float>());
-  } else {
-    TORCH_CHECK(delta.scalar_type() == torch::kBFloat16, "delta must be float32 or bfloat16");
-    add_rms_norm_rows(xp, rows_of<c10::BFloat16>(delta, width, "delta"), wp, feps, rows, width, sum.data_ptr<float>(),
-                      normed.data_ptr<float>());
-  }
-  return {sum, normed};
-}
-
 // SwiGLU's gate: gate_up [..., 2I] (float32 or bf16; gate, then up) -> silu(gate) * up [..., I], same dtype
 // (computed in float32, rounded once).
 inline torch::Tensor silu_mul(torch::Tensor gate_up) {
@@ -290,26 +241,6 @@ inline torch::Tensor silu_mul(torch::Tensor gate_up) {
   } else {
     TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16, "gate_up must be float32 or bfloat16");
     silu_mul_rows(rows_of<c10::BFloat16>(gate_up, width, "gate_up"), rows, half, out.data_ptr<c10::BFloat16>());
-  }
-  return out;
-}
-
-// RMSNorm of x [..., H] (float32, contiguous) times weight (at least H entries; the first H are read).
-inline torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32, "x and weight must be float32");
-  const int64_t width = x.size(-1), rows = x.numel() / std::max<int64_t>(width, 1);
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() >= width, "weight must have at least H entries");
-  auto out = torch::empty_like(x);
-  const float *xp = rows_of<float>(x, width, "x"), *wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = xp + r * width;
-    float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-    for (int64_t e = 0; e < width; ++e) squares += xr[e] * xr[e];
-    const float inv = 1.f / std::sqrt(squares / static_cast<float>(width) + static_cast<float>(eps));
-#pragma omp simd
-    for (int64_t e = 0; e < width; ++e) op[r * width + e] = xr[e] * inv * wp[e];
   }
   return out;
 }

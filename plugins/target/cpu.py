@@ -239,6 +239,11 @@ class MoeCall:
                                     self.gate_up_bias, self.down, self.down_bias, self.alpha, self.limit, *self.scales,
                                     self.tiles)
 
+    def arguments(self) -> tuple:
+        """The kernel's `moe` arguments after x, as `__call__` passes them (`WholeTargetStep` holds them)."""
+        return (self.router_weight, self.router_bias, self.top_k, self.gate_up, self.gate_up_bias, self.down,
+                self.down_bias, self.alpha, self.limit, *self.scales, self.tiles)
+
 
 def moe_call(mlp: torch.nn.Module, gate_up: object, down: object) -> MoeCall | None:
     """`MoeCall` for gpt-oss's MLP `mlp` (its router and experts' biases) with the experts read from `gate_up` / `down`
@@ -258,9 +263,15 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor | Bf16Pairs | AmxTiles, bia
                ) -> torch.Tensor:
     """x float32 [..., in] (contiguous) times weight [in, out] (float32, `Bf16Pairs` or `AmxTiles`) plus bias float32
     [out] -> [..., out], in float32 products and sums; out a multiple of `LANES`."""
+    values, tiles = linear_weight(weight)
+    return target_kernels().linear(x, values, bias, tiles)
+
+
+def linear_weight(weight: torch.Tensor | Bf16Pairs | AmxTiles) -> tuple[torch.Tensor, bool]:
+    """The kernel's `linear` weight arguments: the tensor and whether it holds AMX tiles."""
     if isinstance(weight, torch.Tensor):
-        return target_kernels().linear(x, weight, bias, False)
-    return target_kernels().linear(x, weight.values, bias, isinstance(weight, AmxTiles))
+        return weight, False
+    return weight.values, isinstance(weight, AmxTiles)
 
 
 def sink_attention_cpu(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
@@ -272,6 +283,22 @@ def sink_attention_cpu(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     keys and its values at their positions, then attends causally (within `sliding_window`) -> [b, t, Hq * D]."""
     return target_kernels().sink_attention(qkv, cos, sin, keys, values, positions,
                                            -1 if sliding_window is None else sliding_window, sinks, scale)
+
+
+class WholeTargetStep:
+    """The target's decoder layers for a step in one compiled call (`cpu_kernel.cpp` `TargetStep`, built by
+    `GptOssTarget.whole_step`): the first RMSNorm, every layer's attention and MoE with their residual adds and norms,
+    over weights held from construction."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, positions: torch.Tensor,
+                 feature_layers: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x float32 [b, t, H] (the embeddings), `Rotary`'s cos / sin [b, t, D], the `KVArena` (its K/V written at
+        positions int64 [b, t]) -> (final-normed hidden states [b, t, H], the feature layers' outputs side by side
+        [b, t, len * H] or None)."""
+        return tuple(self.step.step(x, cos, sin, cache.k, cache.v, positions, feature_layers))
 
 
 def attention_serves(x: torch.Tensor, head_dim: int) -> bool:

@@ -1,5 +1,6 @@
-// The gpt-oss target's MoE and attention on CPU, one call each (plugins/target/cpu.py builds and loads this
-// file; models/target.py holds the torch formulations they replace: `routed_experts`, `GptOssTarget.attention`).
+// The gpt-oss target's MoE and attention on CPU, one call each, and its decoder layers in one call (plugins/target/cpu.py
+// builds and loads this file; models/target.py holds the torch formulations they replace: `routed_experts`,
+// `GptOssTarget.attention`).
 //
 // Why compiled: on a small target a CPU step is bound by the count of tensor ops torch eager dispatches and by
 // Python, not by its GEMMs (docs/benchmarks.md, round 17).
@@ -9,9 +10,10 @@
 //   interleaved gate/up columns, the down projection and the routing weight; a token's top-k outputs are then
 //   summed in slot order, as the torch formulation does. `linear` serves the attention's q/k/v and o_proj with
 //   the same tiles.
-// - `sink_attention` replaces a layer's RoPE, K/V arena write and read, per-step masks and the fused attention
+// - `sink_attention` (attention.h) replaces a layer's RoPE, K/V arena write and read, per-step masks and the fused attention
 //   with its sink rescaling: it rotates and writes the step's keys, then each query attends to the positions
 //   at or before its own (within the sliding window), the sink one more logit without a value.
+// - `TargetStep` chains them (with the norms of ../norms.h) over every layer of a step.
 // Float32 products and sums throughout: the torch formulations' numbers up to summation order and the exp
 // (vector_math.h: < 3e-7 relative).
 
@@ -19,6 +21,8 @@
 
 #include "../vector_math.h"
 #include "amx_gemm.h"
+#include "attention.h"
+#include "../norms.h"
 
 #include <immintrin.h>
 
@@ -26,7 +30,9 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -250,18 +256,6 @@ void run_experts(const float* xp, const int64_t* ip, const float* sp, int64_t n,
   });
 }
 
-// ---- Attention -------------------------------------------------------------------------------------------
-
-// out[e0 : e0 + kLanes N] = sum over keys k of weights[k] * value[k][e0 : ...] / total: N accumulators, one pass.
-template <int N>
-void weighted_values(const float* weights, const float* value, int64_t count, int64_t d, int64_t e0, float total,
-                     float* out) {
-  fvec acc[N] = {};
-  for (int64_t k = 0; k < count; ++k)
-    for (int n = 0; n < N; ++n) acc[n] += weights[k] * load(value + k * d + e0 + n * kLanes);
-  for (int n = 0; n < N; ++n) store(out + e0 + n * kLanes, acc[n] / total);
-}
-
 }  // namespace
 
 // gpt-oss's router on x float32 [n, H]: logits x @ weight.T + bias (weight float32 [E, H], bias [E]), each token's
@@ -395,116 +389,6 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor router_weight, torch::Tensor ro
                         down_scales, tiles);
 }
 
-// One target layer's attention for a step, after its fused q/k/v projection: qkv [b, t, (Hq + 2 Hkv) * D]
-// (float32, contiguous), cos / sin [b, t, D] (`Rotary`'s, any strides but the last), the layer's arena
-// keys / values [b, Hkv, S, D] (contiguous), positions int64 [b, t], sliding_window <= 0 for none, sinks
-// float32 [Hq] or None. Writes every token's rotated key and its value at its position, then each query
-// head attends to the keys at positions p <= its own (and p > its own - window), with the sink as one more
-// logit without a value (gpt-oss) -> [b, t, Hq * D].
-torch::Tensor sink_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys,
-                             torch::Tensor values, torch::Tensor positions, int64_t sliding_window,
-                             c10::optional<torch::Tensor> sinks, double scale) {
-  TORCH_CHECK(qkv.scalar_type() == torch::kFloat32 && qkv.is_contiguous() && qkv.dim() == 3,
-              "qkv must be float32 [b, t, (Hq + 2 Hkv) * D], contiguous");
-  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && keys.is_contiguous() && keys.dim() == 4 &&
-                  values.sizes() == keys.sizes() && values.scalar_type() == torch::kFloat32 && values.is_contiguous(),
-              "keys / values must be float32 [b, Hkv, S, D], contiguous");
-  const int64_t batch = qkv.size(0), t = qkv.size(1), hkv = keys.size(1), capacity = keys.size(2), d = keys.size(3);
-  TORCH_CHECK(keys.size(0) == batch, "the arena must have qkv's batch");
-  TORCH_CHECK(d % kSizeMultiple == 0, "head_dim must be a multiple of ", kSizeMultiple, ", got ", d);
-  TORCH_CHECK(qkv.size(2) % d == 0 && qkv.size(2) / d > 2 * hkv && (qkv.size(2) / d - 2 * hkv) % hkv == 0,
-              "qkv's width must be (Hq + 2 Hkv) * D with Hq a multiple of Hkv");
-  const int64_t hq = qkv.size(2) / d - 2 * hkv, group = hq / hkv, width = qkv.size(2);
-  for (const auto* table : {&cos, &sin})
-    TORCH_CHECK(table->scalar_type() == torch::kFloat32 && table->dim() == 3 && table->size(0) == batch &&
-                    table->size(1) == t && table->size(2) == d && table->stride(2) == 1,
-                "cos / sin must be float32 [b, t, D]");
-  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.dim() == 2 && positions.size(0) == batch &&
-                  positions.size(1) == t, "positions must be int64 [b, t]");
-  const auto where = positions.contiguous();
-  const int64_t* pos = where.data_ptr<int64_t>();
-  torch::Tensor sink_logits;
-  if (sinks.has_value()) {
-    sink_logits = sinks->contiguous();
-    TORCH_CHECK(sink_logits.scalar_type() == torch::kFloat32 && sink_logits.numel() == hq, "sinks must be float32 [Hq]");
-  }
-  const float* sp = sinks.has_value() ? sink_logits.data_ptr<float>() : nullptr;
-  const float *qp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
-  float *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
-  auto out = torch::empty({batch, t, hq * d}, qkv.options());
-  float* op = out.data_ptr<float>();
-  const auto cos_at = [&](int64_t i, int64_t j) { return cp + i * cos.stride(0) + j * cos.stride(1); };
-  const auto sin_at = [&](int64_t i, int64_t j) { return snp + i * sin.stride(0) + j * sin.stride(1); };
-  for (int64_t i = 0; i < batch; ++i)  // the step's keys and values first: its later tokens see its earlier ones
-    for (int64_t j = 0; j < t; ++j) {
-      const int64_t p = pos[i * t + j];
-      TORCH_CHECK(p >= 0 && p < capacity, "position ", p, " lies outside the arena [0, ", capacity, ")");
-      const float* token = qp + (i * t + j) * width;
-      for (int64_t h = 0; h < hkv; ++h) {
-        const int64_t slot = ((i * hkv + h) * capacity + p) * d;
-        rotate(token + (hq + h) * d, cos_at(i, j), sin_at(i, j), d, kp + slot);
-        std::copy(token + (hq + hkv + h) * d, token + (hq + hkv + h + 1) * d, vp + slot);
-      }
-    }
-  const auto fscale = static_cast<float>(scale);
-  std::vector<float> q(d), scores;
-  for (int64_t i = 0; i < batch; ++i)
-    for (int64_t j = 0; j < t; ++j) {
-      const int64_t p = pos[i * t + j];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
-      const int64_t count = p - first + 1;
-      scores.resize(count + kLanes);
-      for (int64_t head = 0; head < hq; ++head) {
-        const int64_t h = head / group;
-        rotate(qp + (i * t + j) * width + head * d, cos_at(i, j), sin_at(i, j), d, q.data());
-        const float* key = kp + ((i * hkv + h) * capacity + first) * d;
-        const float* value = vp + ((i * hkv + h) * capacity + first) * d;
-        float most = sp ? sp[head] : -std::numeric_limits<float>::infinity();
-        int64_t first_single = 0;
-#if defined(__AVX2__) && !defined(__AVX512F__)
-        // 8 keys at a time: 8 independent sums, reduced together (one key's sum chains its FMAs and ends in a
-        // horizontal sum of its own: the whole attention 0.77x its time for 1 or 8 queries on an AVX2 EPYC, round 24)
-        fvec peak = splat(most);
-        for (; first_single + 8 <= count; first_single += 8) {
-          const float* keys = key + first_single * d;
-          fvec acc[8];
-          for (int u = 0; u < 8; ++u) acc[u] = load(q.data()) * load(keys + u * d);
-          for (int64_t e = kLanes; e < d; e += kLanes)
-            for (int u = 0; u < 8; ++u) acc[u] += load(q.data() + e) * load(keys + u * d + e);
-          const fvec s = lane_sums(acc) * fscale;
-          store(scores.data() + first_single, s);
-          peak = s > peak ? s : peak;
-        }
-        for (int u = 0; u < kLanes; ++u) most = std::max(most, peak[u]);
-#endif
-        for (int64_t k = first_single; k < count; ++k) {
-          fvec acc = load(q.data()) * load(key + k * d);
-          for (int64_t e = kLanes; e < d; e += kLanes) acc += load(q.data() + e) * load(key + k * d + e);
-          scores[k] = lane_sum(acc) * fscale;
-          most = std::max(most, scores[k]);
-        }
-        float total = sp ? std::exp(sp[head] - most) : 0.f;
-        int64_t k = 0;
-        fvec lanes{};
-        for (; k + kLanes <= count; k += kLanes) {
-          const fvec e = vexp(load(scores.data() + k) - most);
-          store(scores.data() + k, e);
-          lanes += e;
-        }
-        total += lane_sum(lanes);
-        for (; k < count; ++k) total += (scores[k] = std::exp(scores[k] - most));
-        float* o = op + (i * t + j) * hq * d + head * d;
-        for (int64_t e0 = 0; e0 < d; e0 += 4 * kLanes) switch (std::min<int64_t>(4, (d - e0) / kLanes)) {
-            case 4: weighted_values<4>(scores.data(), value, count, d, e0, total, o); break;
-            case 3: weighted_values<3>(scores.data(), value, count, d, e0, total, o); break;
-            case 2: weighted_values<2>(scores.data(), value, count, d, e0, total, o); break;
-            default: weighted_values<1>(scores.data(), value, count, d, e0, total, o); break;
-          }
-      }
-    }
-  return out;
-}
-
 // x float32 [..., in] (contiguous) times weight [in, out] (float32, or bf16 pairs: int32 [in / 2, out] words,
 // `Bf16Pairs`; contiguous) plus bias float32 [out] or None -> float32 [..., out]; out a multiple of 16. `tiles`:
 // weight is bf16 AMX tiles (`amx_gemm.h`) viewed as [in, out], in a multiple of 32. Columns split over torch's
@@ -553,11 +437,94 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch:
   return y;
 }
 
+// A linear map as `linear` takes it: weight [in, out] (float32, bf16 pairs or AMX tiles), bias or None, whether tiles.
+using Linear = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, bool>;
+// A layer's MoE as `moe` takes it, after x: router weight and bias, top_k, gate_up and its bias, down and its bias,
+// alpha, limit, the int8 experts' two scales or Nones, whether tiles (cpu.py `MoeCall`).
+using Moe = std::tuple<torch::Tensor, torch::Tensor, int64_t, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                       double, double, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, bool>;
+
+// The target's decoder layers for a step in one call (models/target.py `GptOssTarget.forward`'s lean path with every
+// part compiled): the first RMSNorm, then per layer the q/k/v GEMM, `sink_attention`, o_proj, the residual add with
+// the post-attention norm, `moe`, and the residual add with the next norm; the same kernels in the same order as the
+// per-call path, so the same numbers. Why: the ~24 calls a step made from Python, each with its argument parsing
+// and checks, took ~0.2 ms of a ~0.5 ms lone-token forward on an AVX2 EPYC (round 25).
+class TargetStep {
+ public:
+  // Per layer: the fused q/k/v and o_proj, the sinks float32 [Hq] (or None), the sliding window (<= 0: none), the
+  // post-attention norm's weight, the MoE, the norm after the layer (the next layer's input norm; after the last,
+  // the final norm); norm weights float32 with at least H entries.
+  TargetStep(torch::Tensor first_norm, std::vector<Linear> qkv, std::vector<Linear> o_proj,
+             std::vector<c10::optional<torch::Tensor>> sinks, std::vector<int64_t> windows,
+             std::vector<torch::Tensor> post_attention_norms, std::vector<Moe> moe, std::vector<torch::Tensor> next_norms,
+             double eps, double scale)
+      : first_norm_(std::move(first_norm)), qkv_(std::move(qkv)), o_proj_(std::move(o_proj)), sinks_(std::move(sinks)),
+        windows_(std::move(windows)), post_attention_norms_(std::move(post_attention_norms)), moe_(std::move(moe)),
+        next_norms_(std::move(next_norms)), eps_(eps), scale_(scale) {
+    const size_t layers = qkv_.size();
+    TORCH_CHECK(layers > 0 && o_proj_.size() == layers && sinks_.size() == layers && windows_.size() == layers &&
+                    post_attention_norms_.size() == layers && moe_.size() == layers && next_norms_.size() == layers,
+                "every per-layer list must have one entry per layer");
+  }
+
+  // x float32 [b, t, H] (the tokens' embeddings), cos / sin [b, t, D] (`Rotary`'s), the arena's per-layer keys /
+  // values [b, Hkv, S, D], positions int64 [b, t], feature_layers: layers whose output (the residual stream after
+  // them) to return. Writes the tokens' K/V -> (the final-normed hidden states [b, t, H], the feature layers' outputs
+  // side by side [b, t, len * H], or an empty tensor without feature layers).
+  std::vector<torch::Tensor> step(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                  const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                                  const torch::Tensor& positions, const std::vector<int64_t>& feature_layers) const {
+    const int64_t layers = qkv_.size();
+    TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32, "x must be float32 [b, t, H]");
+    TORCH_CHECK(static_cast<int64_t>(keys.size()) == layers && static_cast<int64_t>(values.size()) == layers,
+                "keys / values must hold one arena tensor per layer");
+    for (const int64_t layer : feature_layers)
+      TORCH_CHECK(layer >= 0 && layer < layers, "feature layer ", layer, " is not a layer of this target");
+    const int64_t batch = x.size(0), t = x.size(1), hidden = x.size(2);
+    x = x.contiguous();
+    auto h = rms_norm(x, first_norm_, eps_);
+    std::vector<torch::Tensor> outputs;  // each layer's residual stream after it
+    for (int64_t i = 0; i < layers; ++i) {
+      const auto attended = dflash_attention::sink_attention(apply(qkv_[i], h), cos, sin, keys[i], values[i], positions,
+                                                             windows_[i], sinks_[i], scale_);
+      auto mid = add_rms_norm(x, apply(o_proj_[i], attended), post_attention_norms_[i], eps_);
+      const auto tokens = mid[1].view({batch * t, hidden});
+      const auto experts = std::apply([&](const auto&... weights) { return moe(tokens, weights...); }, moe_[i]);
+      auto next = add_rms_norm(mid[0], experts.view({batch, t, hidden}), next_norms_[i], eps_);
+      x = next[0];
+      h = next[1];
+      outputs.push_back(x);
+    }
+    std::vector<torch::Tensor> features;
+    for (const int64_t layer : feature_layers) features.push_back(outputs[layer]);
+    return {h, features.empty() ? torch::Tensor() : torch::cat(features, -1)};
+  }
+
+ private:
+  static torch::Tensor apply(const Linear& map, const torch::Tensor& x) {
+    return linear(x, std::get<0>(map), std::get<1>(map), std::get<2>(map));
+  }
+
+  torch::Tensor first_norm_;
+  std::vector<Linear> qkv_, o_proj_;
+  std::vector<c10::optional<torch::Tensor>> sinks_;
+  std::vector<int64_t> windows_;
+  std::vector<torch::Tensor> post_attention_norms_;
+  std::vector<Moe> moe_;
+  std::vector<torch::Tensor> next_norms_;
+  double eps_, scale_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ weight [in, out] + bias (float32 math; float32 weight, bf16 pairs or AMX tiles)");
   m.def("route", &route, "gpt-oss router: top-k experts and their softmax (float32)");
   m.def("routed_experts", &routed_experts, "gpt-oss routed experts (float32, bf16 pairs, int8 rows or AMX tiles)");
   m.def("moe", &moe, "a gpt-oss layer's router and routed experts in one call");
   m.def("amx_available", &dflash_amx::available, "whether this build and CPU run the AMX-BF16 GEMM");
-  m.def("sink_attention", &sink_attention, "a target layer's RoPE, K/V write and attention with sinks (float32)");
+  m.def("sink_attention", &dflash_attention::sink_attention, "a target layer's RoPE, K/V write and attention with sinks (float32)");
+  pybind11::class_<TargetStep>(m, "TargetStep")
+      .def(pybind11::init<torch::Tensor, std::vector<Linear>, std::vector<Linear>, std::vector<c10::optional<torch::Tensor>>,
+                          std::vector<int64_t>, std::vector<torch::Tensor>, std::vector<Moe>, std::vector<torch::Tensor>,
+                          double, double>())
+      .def("step", &TargetStep::step, "the decoder layers for a step: final-normed hidden states and features");
 }

@@ -21,7 +21,8 @@ ones through one call of the compiled CPU MoE kernel after the router where it b
 the float16 ones through a GEMM per routed expert. Which is fastest depends on the machine, so the runtime times them
 at start-up: `use_expert_storage`, `runtime/tuning.py`. Where the compiled CPU kernels build, a layer's
 RoPE, K/V write and attention are one call too (masks from positions, none built), and so is each
-residual add with the RMSNorm after it (`use_cpu_kernels`, `compiled_parts`).
+residual add with the RMSNorm after it (`use_cpu_kernels`, `compiled_parts`); where every part is, the
+decoder layers of a step are one call (`whole_step`: ~0.7x a lone token's forward on an AVX2 EPYC, round 25).
 Where a forward hook watches a bypassed module (calibration), that module is called as it is.
 
 Feature convention: target layer id `i` means the OUTPUT of decoder layer `i` (0-based), i.e.
@@ -331,8 +332,13 @@ class GptOssTarget(nn.Module):
             if all(copy is not None for pair in tiles for copy in pair):
                 self.expert_storages["amx"] = tiles
         self.moe_call_sets: dict[str, list[target_cpu.MoeCall | None]] = {}
+        self.whole_steps: dict[str, target_cpu.WholeTargetStep | None] = {}  # per expert storage, built on first use
+        # the modules a hook on which sends a step down the per-call path (`hooked`)
+        self.watched = tuple(module for parts in self.layer_parts
+                             for module in (*parts.projections, parts.o_proj, parts.experts, parts.router))
         self.use_expert_storage(next(iter(self.expert_storages)))
         self.use_cpu_kernels = True  # False: attention, MoE and add + RMSNorms in torch even where compiled kernels serve
+        self.use_whole_step = True  # False: the decoder layers part by part even where `whole_step` serves (an A/B)
         head = hf_model.lm_head
         self.head = CastLinear(head.weight, head.bias, exact_dtype(head.weight))
         # a greedy verify's argmaxes through the head's int8 copy, exactly (`accept.greedy_verify_block`)
@@ -363,6 +369,34 @@ class GptOssTarget(nn.Module):
         served = {"attention": target_cpu.attention_serves(probe, self.head_dim),
                   "moe": target_cpu.moe_serves(probe, gate_up, down), "add_rms_norm": draft_cpu.serves(probe)}
         return [part for part, serves in served.items() if serves]
+
+    def whole_step(self) -> target_cpu.WholeTargetStep | None:
+        """The decoder layers in one compiled call on the current expert storage, where every part of the lean path
+        runs compiled (q/k/v and o_proj, attention, MoE, norms: a float32 CPU target, `use_cpu_kernels`) and its norms
+        share one epsilon; else None. Built once per storage."""
+        name = self.expert_storage
+        if name not in self.whole_steps:
+            self.whole_steps[name] = self.build_whole_step()
+        return self.whole_steps[name]
+
+    def build_whole_step(self) -> target_cpu.WholeTargetStep | None:
+        module = target_cpu.target_kernels()
+        norms = [self.first_norm[0], *(parts.post_attention_norm for parts in self.layer_parts),
+                 *(norm for norm, _ in self.next_norms)]
+        if (module is None or set(self.compiled_parts()) != {"attention", "moe", "add_rms_norm"}
+                or None in (*self.qkv_kernel, *self.o_proj_kernel, *self.moe_calls)
+                or len({norm.variance_epsilon for norm in norms}) != 1):
+            return None
+
+        def linear(kernel: KernelLinear) -> tuple:  # `TargetStep`'s (weight, bias, tiles)
+            weight, tiles = target_cpu.linear_weight(kernel.weight)
+            return weight, kernel.bias, tiles
+        step = module.TargetStep(
+            self.first_norm[1], [linear(k) for k in self.qkv_kernel], [linear(k) for k in self.o_proj_kernel],
+            [parts.sinks for parts in self.layer_parts], [-1 if w is None else w for w in self.windows],
+            [weights[1] for weights in self.norm_weights], [call.arguments() for call in self.moe_calls],
+            [weights for _, weights in self.next_norms], norms[0].variance_epsilon, self.scale)
+        return target_cpu.WholeTargetStep(step)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -446,9 +480,23 @@ class GptOssTarget(nn.Module):
         x = self.embed(tokens)
         kv_len = int(positions.max()) + 1
         cos, sin = self.rotary(positions, x.dtype, kv_len)
-        lean = x.device.type == "cpu"
-        compiled = lean and self.use_cpu_kernels
+        compiled = x.device.type == "cpu" and self.use_cpu_kernels
         compiled_attention = compiled and target_cpu.attention_serves(x, self.head_dim)
+        step = self.whole_step() if compiled_attention and self.use_whole_step else None
+        if step is not None and not hooked(*self.watched):
+            h, features = step(x, cos, sin, cache, positions, feature_layers)
+        else:
+            h, features = self.layers(x, cos, sin, positions, cache, feature_layers, kv_len, compiled, compiled_attention)
+        if logit_index is not None:
+            h = h[torch.arange(len(h), device=h.device), logit_index]
+        return (self.lm_head(h) if head else h), features
+
+    def layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, cache: KVArena,
+               feature_layers: list[int], kv_len: int, compiled: bool, compiled_attention: bool
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`'s decoder layers part by part (each compiled where it serves, else in torch) on the embeddings
+        x [b, t, H] -> (final-normed hidden states, the feature layers' outputs side by side or None)."""
+        lean = x.device.type == "cpu"
         masks = {} if compiled_attention else {w: causal_mask(positions, kv_len, w) for w in set(self.windows)}
         if lean:
             masks = {w: attention_bias(mask, self.groups, x.dtype) for w, mask in masks.items()}
@@ -472,6 +520,4 @@ class GptOssTarget(nn.Module):
             if i in feature_layers:
                 captured[i] = x
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
-        if logit_index is not None:
-            h = h[torch.arange(b, device=h.device), logit_index]
-        return (self.lm_head(h) if head else h), features
+        return h, features
