@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(cpu.dot_kernel() is None,
 needs_int8 = pytest.mark.skipif(cpu.dot_kernel(torch.int8) is None, reason="no int8 dot GEMM here (no AVX2)")
 needs_greedy_head = pytest.mark.skipif(
     cpu.dot_kernel(torch.int8) is None or not cpu.KERNEL.module().greedy_head_available(),
-    reason="no exact greedy head here (AVX512-VNNI)")
+    reason="no exact greedy head here (no int8 dot GEMM: AVX512-VNNI or AVX2)")
 
 
 def bf16_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -196,7 +196,7 @@ def float32_greedy(hidden: torch.Tensor, drafts: torch.Tensor, weight: torch.Ten
        with_bias=st.booleans(), near=st.floats(1e-4, 3e-2), seed=st.integers(0, 2**16))
 def test_the_exact_greedy_head_takes_the_float32_argmax(batch, drafts, groups, inputs, with_bias, near, seed):
     """Near-ties the int8 logits cannot order (a rival row within `near` of each row's winner, far below int8's
-    resolution for the small gaps), exact ties (a duplicated row: the first index wins), drafts that follow the target
+    resolution for the small gaps, as a scaled copy of the winner's row and as a row of another direction), exact ties (a duplicated row: the first index wins), drafts that follow the target
     for a while: the float32 answer every time, and some logits recomputed in float32."""
     gen = torch.Generator().manual_seed(seed)
     vocab = groups * cpu.DOT_GROUP
@@ -210,6 +210,12 @@ def test_the_exact_greedy_head_takes_the_float32_argmax(batch, drafts, groups, i
         bias[rival] = bias[winner[0, 0]]
     if vocab > 2:
         weight[-1] = weight[0]  # ... and an exact tie elsewhere
+    if vocab > 3:  # a row of its own direction moved to within `near` of that winner on the first row's input: the
+        x = hidden[0, 0].double()  # input's quantization errs differently for the two, so only its bound orders them
+        logits = float64_logits(hidden[:1, :1], weight, bias)[0, 0]
+        crossing = (winner[0, 0] + 2) % vocab
+        gap = near * (logits[winner[0, 0]].abs() + 1) * torch.sign(torch.randn(1, generator=gen, dtype=torch.float64))
+        weight[crossing] += ((logits[winner[0, 0]] + gap - logits[crossing]) * x / x.dot(x)).float()
     tokens = float64_logits(hidden, weight, bias).argmax(-1)
     follow = torch.randint(0, drafts + 1, (batch,), generator=gen)
     draft_tokens = torch.where(torch.arange(drafts) < follow[:, None], tokens[:, :drafts], (tokens[:, :drafts] + 1) % vocab)
@@ -218,6 +224,28 @@ def test_the_exact_greedy_head_takes_the_float32_argmax(batch, drafts, groups, i
     expected = float32_greedy(hidden, draft_tokens, weight, bias)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), (got, expected)
     assert head.recomputed >= 1  # at least the first row's winner and its rival
+
+
+@needs_greedy_head
+def test_the_exact_greedy_heads_bound_covers_the_inputs_rounding_at_its_worst():
+    """Every input just below half a level, so each rounds down by almost half a step, against rows of +1 and of -1:
+    the int8 logits err by ~0.5 per input in opposite directions and rank the two rows wrongly by ~n; only a bound
+    with the input's own rounding (half a step of max|x| / `int8_input_levels()`) keeps the true winner."""
+    levels, n = cpu.int8_input_levels(), 64
+    gen = torch.Generator().manual_seed(0)
+    pairs = torch.randint(-levels + 2, levels - 1, (n // 2 - 1,), generator=gen).double()
+    whole = torch.cat([pairs, -pairs, torch.tensor([-(n // 2 - 1.0)])])  # sum -31 so that the true logits nearly cancel
+    x = torch.cat([torch.tensor([float(levels)], dtype=torch.float64), whole + 0.4999])  # the peak: exactly a level
+    weight = torch.zeros(cpu.DOT_GROUP, n)
+    weight[0, 1:], weight[1, 1:] = 1.0, -1.0
+    bias = torch.full((cpu.DOT_GROUP,), -1e4)
+    bias[:2] = 0.0
+    hidden = x.float().view(1, 1, n)
+    logits = float64_logits(hidden, weight, bias)[0, 0]
+    assert logits[0] > logits[1] and logits[0] - logits[1] < 2  # row 0 wins, by less than int8 could tell
+    head = cpu.ExactGreedyHead(weight, bias)
+    accepted, bonus = head(hidden, torch.zeros(1, 0, dtype=torch.long))
+    assert bonus.tolist() == [0] and accepted.tolist() == [0]
 
 
 @needs_greedy_head

@@ -156,8 +156,8 @@ def int8_input_levels() -> int:
 
 
 def greedy_head_serves(weight: torch.Tensor) -> bool:
-    """Whether `ExactGreedyHead` takes an LM head [V, H]: the int8 GEMM takes it and the module has the exact greedy
-    head (AVX512-VNNI: its error bound is for 127-level inputs)."""
+    """Whether `ExactGreedyHead` takes an LM head [V, H]: the int8 GEMM takes it (AVX512-VNNI, or AVX2) and the module
+    has the exact greedy head (its error bound is for the build's `int8_input_levels()`)."""
     return dot_serves(weight, torch.int8) and bool(KERNEL.module().greedy_head_available())
 
 

@@ -5,8 +5,7 @@
 
 #include <torch/extension.h>
 
-#include <immintrin.h>
-
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -21,20 +20,37 @@
 // wins, which is the argmax of a float32 GEMM (the torch path's up to summation order, as every float32 GEMM here).
 //
 // The bound, per output j, with x' = s_x q_x and w' = s_w q_w the dequantized operands (|x - x'| <= e_x = 0.5001 s_x,
-// |w - w'| <= e_w = 0.5001 s_w: the scales' own rounding inside the margin), u = 2^-24, n = H:
+// |w - w'| <= e_w = 0.5001 s_w: the scales' own rounding inside the margin; s_x = max|x| / kInputLevels, 127 with
+// AVX512-VNNI and 63 on AVX2), u = 2^-24, n = H:
 //   |s_x s_w sum q_x q_w - sum x w| <= e_x (|W[j]|_1 + n e_w) + e_w |x|_1             (the quantization)
 //   + 4 u (|a_j| + |b_j|)                                                             (the epilogue's roundings)
 //   + 1.01 n u (max|x| |W[j]|_1 + |b_j|)                                              (any float32 sum of the products)
 // times 1.001 for the bound's own float32 arithmetic.
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 namespace dflash_dot {
 
-// x . w + b in float32 (16 partial sums, then their sum).
+using dflash_vec::fmadd;
+using dflash_vec::fvec;
+using dflash_vec::ivec;
+using dflash_vec::kLanes;
+using dflash_vec::lane_sum;
+using dflash_vec::load;
+using dflash_vec::splat;
+using dflash_vec::store;
+
+inline fvec magnitude(fvec v) { return reinterpret_cast<fvec>(reinterpret_cast<ivec>(v) & 0x7fffffff); }
+inline fvec larger(fvec a, fvec b) { return a > b ? a : b; }
+inline float lane_max(fvec v) {
+  float most = v[0];
+  for (int64_t l = 1; l < kLanes; ++l) most = std::max(most, v[l]);
+  return most;
+}
+
+// x . w + b in float32 (kLanes partial sums, then their sum); n a multiple of kLanes.
 inline float exact_dot(const float* x, const float* w, int64_t n, float b) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(w + i), acc);
-  return _mm512_reduce_add_ps(acc) + b;
+  fvec acc{};
+  for (int64_t i = 0; i < n; i += kLanes) acc = fmadd(load(x + i), load(w + i), acc);
+  return lane_sum(acc) + b;
 }
 
 // The float32 argmax of x [n] @ W.T + b from the int8 logits `approx` [V] of the same row (see above). `upper`:
@@ -43,31 +59,30 @@ inline int64_t certified_argmax(const float* x, int64_t n, const float* approx, 
                                 const float* abs_sum, const float* scales, const float* bias, int64_t vocab,
                                 float* upper, int64_t* recomputed) {
   constexpr float u = 1.f / 16777216.f;
-  __m512 peak = _mm512_setzero_ps(), l1 = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512 v = _mm512_abs_ps(_mm512_loadu_ps(x + i));
-    peak = _mm512_max_ps(peak, v);
-    l1 = _mm512_add_ps(l1, v);
+  fvec peak{}, l1{};
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const fvec v = magnitude(load(x + i));
+    peak = larger(peak, v);
+    l1 += v;
   }
-  const float amax = _mm512_reduce_max_ps(peak), x1 = _mm512_reduce_add_ps(l1) * (1.f + 1e-4f);
-  const float ex = 0.5001f * (amax > 0.f ? amax / 127.f : 1.f);
-  const __m512 v_ex = _mm512_set1_ps(ex), v_n = _mm512_set1_ps(static_cast<float>(n)), v_x1 = _mm512_set1_ps(x1);
-  const __m512 v_round = _mm512_set1_ps(4.f * u), v_sum = _mm512_set1_ps(1.01f * static_cast<float>(n) * u);
-  const __m512 v_amax = _mm512_set1_ps(amax), v_half = _mm512_set1_ps(0.5001f), v_safety = _mm512_set1_ps(1.001f);
-  __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < vocab; j += 16) {
-    const __m512 a = _mm512_loadu_ps(approx + j), w1 = _mm512_loadu_ps(abs_sum + j);
-    const __m512 b = bias ? _mm512_abs_ps(_mm512_loadu_ps(bias + j)) : _mm512_setzero_ps();
-    const __m512 ew = _mm512_mul_ps(v_half, _mm512_loadu_ps(scales + j));
-    __m512 bound = _mm512_mul_ps(v_ex, _mm512_fmadd_ps(v_n, ew, w1));
-    bound = _mm512_fmadd_ps(ew, v_x1, bound);
-    bound = _mm512_fmadd_ps(v_round, _mm512_add_ps(_mm512_abs_ps(a), b), bound);
-    bound = _mm512_fmadd_ps(v_sum, _mm512_fmadd_ps(v_amax, w1, b), bound);
-    bound = _mm512_mul_ps(bound, v_safety);
-    lowest = _mm512_max_ps(lowest, _mm512_sub_ps(a, bound));
-    _mm512_storeu_ps(upper + j, _mm512_add_ps(a, bound));
+  const float amax = lane_max(peak), x1 = lane_sum(l1) * (1.f + 1e-4f);
+  const float ex = 0.5001f * (amax > 0.f ? amax / static_cast<float>(kInputLevels) : 1.f);
+  const fvec v_ex = splat(ex), v_n = splat(static_cast<float>(n)), v_x1 = splat(x1), v_round = splat(4.f * u);
+  const fvec v_sum = splat(1.01f * static_cast<float>(n) * u), v_amax = splat(amax);
+  fvec lowest = splat(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < vocab; j += kLanes) {
+    const fvec a = load(approx + j), w1 = load(abs_sum + j);
+    const fvec b = bias ? magnitude(load(bias + j)) : fvec{};
+    const fvec ew = 0.5001f * load(scales + j);
+    fvec bound = v_ex * fmadd(v_n, ew, w1);
+    bound = fmadd(ew, v_x1, bound);
+    bound = fmadd(v_round, magnitude(a) + b, bound);
+    bound = fmadd(v_sum, fmadd(v_amax, w1, b), bound);
+    bound *= 1.001f;
+    lowest = larger(lowest, a - bound);
+    store(upper + j, a + bound);
   }
-  const float threshold = _mm512_reduce_max_ps(lowest);
+  const float threshold = lane_max(lowest);
   // the first maximum of the float32 logits of the words `considered` admits (-1 where it admits none)
   const auto first_best = [&](auto considered) {
     int64_t best_index = -1;
@@ -87,16 +102,10 @@ inline int64_t certified_argmax(const float* x, int64_t n, const float* approx, 
 }
 
 }  // namespace dflash_dot
-#endif
 
-// Whether this build has `exact_greedy_verify` (AVX512-VNNI: its bound assumes inputs quantized to 127 levels).
-inline bool greedy_head_available() {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return true;
-#else
-  return false;
-#endif
-}
+// Whether this build has `exact_greedy_verify`: wherever it has the int8 GEMM (AVX512-VNNI, or AVX2 with its inputs
+// on 63 levels; the bound's e_x is for the build's `kInputLevels`).
+inline bool greedy_head_available() { return dflash_dot::kInt8Built; }
 
 // The greedy accept rule of a verify from the target's final-normed hidden states [b, K + 1, H] (float32, contiguous)
 // and the drafts int64 [b, K], through the LM head W [V, H] float32 (contiguous), its `dot_pack` int8 copy (`packed`,
@@ -107,7 +116,7 @@ inline std::vector<torch::Tensor> exact_greedy_verify(const torch::Tensor& hidde
                                                       const torch::Tensor& weight, const torch::Tensor& packed,
                                                       const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias,
                                                       const torch::Tensor& abs_sum) {
-  TORCH_CHECK(greedy_head_available(), "this build has no exact greedy head (the CPU lacks AVX512-VNNI)");
+  TORCH_CHECK(greedy_head_available(), "this build has no exact greedy head (the CPU lacks AVX512-VNNI and AVX2)");
   TORCH_CHECK(hidden.scalar_type() == torch::kFloat32 && hidden.dim() == 3 && hidden.is_contiguous(),
               "hidden must be contiguous float32 [b, K + 1, H]");
   TORCH_CHECK(drafts.scalar_type() == torch::kInt64 && drafts.dim() == 2 && drafts.is_contiguous() &&
@@ -123,7 +132,6 @@ inline std::vector<torch::Tensor> exact_greedy_verify(const torch::Tensor& hidde
   TORCH_CHECK(approx.size(2) == vocab, "the packed head must be the weight's");
   auto accepted = torch::empty({batch}, drafts.options()), bonus = torch::empty({batch}, drafts.options());
   int64_t recomputed = 0;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   const float *hp = hidden.data_ptr<float>(), *ap = approx.data_ptr<float>(), *wp = weight.data_ptr<float>();
   const float *sp = scales.data_ptr<float>(), *asp = abs_sum.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
@@ -134,6 +142,5 @@ inline std::vector<torch::Tensor> exact_greedy_verify(const torch::Tensor& hidde
                                         &recomputed);
   };
   accept_scan(batch, width, dp, argmax, accepted.data_ptr<int64_t>(), bonus.data_ptr<int64_t>());
-#endif
   return {accepted, bonus, torch::tensor(recomputed)};
 }
