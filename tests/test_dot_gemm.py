@@ -18,9 +18,6 @@ from trtllm_dflash.runtime.accept import greedy_accept
 pytestmark = pytest.mark.skipif(cpu.dot_kernel() is None,
                                 reason=f"no AVX512-BF16 GEMM here ({cpu.unavailable_reason() or 'CPU lacks avx512_bf16'})")
 needs_int8 = pytest.mark.skipif(cpu.dot_kernel(torch.int8) is None, reason="no int8 dot GEMM here (no AVX2)")
-needs_greedy_head = pytest.mark.skipif(
-    cpu.dot_kernel(torch.int8) is None or not cpu.KERNEL.module().greedy_head_available(),
-    reason="no exact greedy head here (no int8 dot GEMM: AVX512-VNNI or AVX2)")
 
 
 def bf16_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -190,7 +187,7 @@ def float32_greedy(hidden: torch.Tensor, drafts: torch.Tensor, weight: torch.Ten
     return greedy_accept(drafts, float64_logits(hidden, weight, bias).argmax(dim=-1))
 
 
-@needs_greedy_head
+@needs_int8
 @settings(max_examples=30, deadline=None)
 @given(batch=st.integers(1, 4), drafts=st.integers(0, 8), groups=st.integers(1, 40), inputs=st.sampled_from([32, 256]),
        with_bias=st.booleans(), near=st.floats(1e-4, 3e-2), seed=st.integers(0, 2**16))
@@ -226,7 +223,7 @@ def test_the_exact_greedy_head_takes_the_float32_argmax(batch, drafts, groups, i
     assert head.recomputed >= 1  # at least the first row's winner and its rival
 
 
-@needs_greedy_head
+@needs_int8
 def test_the_exact_greedy_heads_bound_covers_the_inputs_rounding_at_its_worst():
     """Every input just below half a level, so each rounds down by almost half a step, against rows of +1 and of -1:
     the int8 logits err by ~0.5 per input in opposite directions and rank the two rows wrongly by ~n; only a bound
@@ -248,7 +245,7 @@ def test_the_exact_greedy_heads_bound_covers_the_inputs_rounding_at_its_worst():
     assert bonus.tolist() == [0] and accepted.tolist() == [0]
 
 
-@needs_greedy_head
+@needs_int8
 def test_the_exact_greedy_head_refuses_what_it_does_not_take():
     head = cpu.ExactGreedyHead(torch.randn(32, 64), None)
     with pytest.raises(RuntimeError, match="drafts"):
@@ -257,7 +254,7 @@ def test_the_exact_greedy_head_refuses_what_it_does_not_take():
         head(torch.randn(1, 3, 32), torch.zeros(1, 2, dtype=torch.long))
 
 
-@needs_greedy_head
+@needs_int8
 def test_an_int8_drafter_head_reads_the_bytes_of_the_targets_exact_greedy_head():
     """One int8 packing of the LM head, not two: the drafter's logits read what the verify has just read."""
     from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config

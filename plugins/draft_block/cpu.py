@@ -155,12 +155,6 @@ def int8_input_levels() -> int:
     return int(dot_kernel(torch.int8).dot_int8_input_levels())
 
 
-def greedy_head_serves(weight: torch.Tensor) -> bool:
-    """Whether `ExactGreedyHead` takes an LM head [V, H]: the int8 GEMM takes it (AVX512-VNNI, or AVX2) and the module
-    has the exact greedy head (its error bound is for the build's `int8_input_levels()`)."""
-    return dot_serves(weight, torch.int8) and bool(KERNEL.module().greedy_head_available())
-
-
 class WholeDraftStep:
     """A drafter step in one compiled call (`cpu_kernel.cpp` `DraftStep`, built by `DFlashDrafter.whole_step`): the
     committed tokens' context K/V, the block through every layer, the draft logits and, when greedy, the drafts."""
@@ -190,7 +184,8 @@ def arena_positions(positions: torch.Tensor | int) -> tuple[torch.Tensor | None,
 class ExactGreedyHead:
     """The target's greedy verify through its LM head's int8 copy with float32 argmaxes (`greedy_head.h`): each
     argmax is the float32 GEMM's, recomputed in float32 for the few outputs the int8 logits and their error bound
-    leave in doubt. Built where `greedy_head_serves(weight)`."""
+    leave in doubt (the bound is for the build's `int8_input_levels()`). Built where `dot_serves(weight,
+    torch.int8)`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.weight = weight.detach().float().contiguous()  # the head itself where it is float32 already

@@ -103,10 +103,6 @@ inline int64_t certified_argmax(const float* x, int64_t n, const float* approx, 
 
 }  // namespace dflash_dot
 
-// Whether this build has `exact_greedy_verify`: wherever it has the int8 GEMM (AVX512-VNNI, or AVX2 with its inputs
-// on 63 levels; the bound's e_x is for the build's `kInputLevels`).
-inline bool greedy_head_available() { return dflash_dot::kInt8Built; }
-
 // The greedy accept rule of a verify from the target's final-normed hidden states [b, K + 1, H] (float32, contiguous)
 // and the drafts int64 [b, K], through the LM head W [V, H] float32 (contiguous), its `dot_pack` int8 copy (`packed`,
 // `scales`), its bias float32 [V] or None and `abs_sum` float32 [V] (each row's sum of |W|): per request the drafts
@@ -116,7 +112,6 @@ inline std::vector<torch::Tensor> exact_greedy_verify(const torch::Tensor& hidde
                                                       const torch::Tensor& weight, const torch::Tensor& packed,
                                                       const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias,
                                                       const torch::Tensor& abs_sum) {
-  TORCH_CHECK(greedy_head_available(), "this build has no exact greedy head (the CPU lacks AVX512-VNNI and AVX2)");
   TORCH_CHECK(hidden.scalar_type() == torch::kFloat32 && hidden.dim() == 3 && hidden.is_contiguous(),
               "hidden must be contiguous float32 [b, K + 1, H]");
   TORCH_CHECK(drafts.scalar_type() == torch::kInt64 && drafts.dim() == 2 && drafts.is_contiguous() &&

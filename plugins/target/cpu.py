@@ -235,12 +235,10 @@ class MoeCall:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 [n, H] (contiguous) -> the layer's MoE output [n, H], as `route_cpu` then `routed_experts_cpu`."""
-        return target_kernels().moe(x.contiguous(), self.router_weight, self.router_bias, self.top_k, self.gate_up,
-                                    self.gate_up_bias, self.down, self.down_bias, self.alpha, self.limit, *self.scales,
-                                    self.tiles)
+        return target_kernels().moe(x.contiguous(), *self.arguments())
 
     def arguments(self) -> tuple:
-        """The kernel's `moe` arguments after x, as `__call__` passes them (`WholeTargetStep` holds them)."""
+        """The kernel's `moe` arguments after x (`__call__` passes them; `WholeTargetStep` holds them)."""
         return (self.router_weight, self.router_bias, self.top_k, self.gate_up, self.gate_up_bias, self.down,
                 self.down_bias, self.alpha, self.limit, *self.scales, self.tiles)
 

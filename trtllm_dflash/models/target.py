@@ -343,7 +343,7 @@ class GptOssTarget(nn.Module):
         self.head = CastLinear(head.weight, head.bias, exact_dtype(head.weight))
         # a greedy verify's argmaxes through the head's int8 copy, exactly (`accept.greedy_verify_block`)
         self.greedy_head = (draft_cpu.ExactGreedyHead(head.weight, head.bias)
-                            if lean and draft_cpu.greedy_head_serves(head.weight) else None)
+                            if lean and draft_cpu.dot_serves(head.weight, torch.int8) else None)
 
     def use_expert_storage(self, name: str) -> None:
         """Read the experts from `expert_storages[name]` from now on: the same numbers from the bf16 pairs and the
