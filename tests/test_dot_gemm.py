@@ -144,6 +144,27 @@ def test_int8_dot_linear_sums_the_quantized_products_exactly(rows, inputs, group
     assert ((got.double() - exact).abs() <= bound + 1e-5).all()
 
 
+@pytest.mark.skipif(cpu.dot_kernel(torch.int8) is None or not cpu.dot_kernel(torch.int8).dot_int8_tiles_available(),
+                    reason="the int8 GEMM has no AMX tiles here (no AMX-INT8, or TRTLLM_DFLASH_AMX=0)")
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 16, 21, 40])
+@pytest.mark.parametrize("inputs,groups", [(64, 1), (256, 5), (768, 16), (96, 3)])
+def test_the_int8_gemm_on_amx_tiles_gives_the_avx512_gemms_numbers_bit_for_bit(rows, inputs, groups):
+    """From 4 rows (and inputs a multiple of 64) the int8 GEMM runs on AMX tiles: the same int32 sums and epilogue,
+    so the same float32 outputs, over partial 16-row tiles and column groups that do not fill a 3-group pass."""
+    module = cpu.dot_kernel(torch.int8)
+    gen = torch.Generator().manual_seed(rows * inputs + groups)
+    weight, bias = torch.randn(groups * cpu.DOT_GROUP, inputs, generator=gen), torch.randn(groups * cpu.DOT_GROUP)
+    x = torch.randn(rows, inputs, generator=gen) * 3
+    packed, scales = cpu.dot_pack(weight, torch.int8)
+    try:
+        module.set_int8_tiles(False)
+        avx512 = [cpu.dot_linear_cpu(x, packed, b, scales) for b in (bias, None)]
+    finally:
+        module.set_int8_tiles(True)
+    for b, expected in zip((bias, None), avx512):
+        assert torch.equal(cpu.dot_linear_cpu(x, packed, b, scales), expected)
+
+
 @needs_int8
 def test_int8_dot_pack_offsets_each_columns_quantized_weights_by_128():
     weight = torch.zeros(32, 64)

@@ -223,8 +223,8 @@ def test_target_lm_head_keeps_gradients_for_training(half):
 def test_the_dot_gemm_is_built_exactly_where_the_cpu_has_avx512_bf16_or_avx2(monkeypatch):
     """The kernels' module (built with -march=native) has the bf16 dot GEMM exactly where /proc/cpuinfo lists
     avx512_bf16 or avx2 and fma, and its int8 one where it lists avx512_vnni or avx2 (127 input levels with
-    avx512_vnni, 63 without; the exact greedy head with it); where it has none, a bf16 GEMM keeps
-    oneDNN's path (or F.linear on the copy where oneDNN does not pack)."""
+    avx512_vnni, 63 without; the exact greedy head with it; AMX tiles for it only with amx_int8); where it has none,
+    a bf16 GEMM keeps oneDNN's path (or F.linear on the copy where oneDNN does not pack)."""
     module = draft_cpu.cpu_kernel()
     if module is not None:
         flags = cpu_flags().split()
@@ -233,6 +233,7 @@ def test_the_dot_gemm_is_built_exactly_where_the_cpu_has_avx512_bf16_or_avx2(mon
         vnni = "avx512_vnni" in flags and "avx512bw" in flags
         if module.dot_int8_available():
             assert module.dot_int8_input_levels() == (127 if vnni else 63)
+        assert not module.dot_int8_tiles_available() or (vnni and "amx_int8" in flags)  # and Linux granted tiles
     monkeypatch.setattr(draft_cpu.KERNEL, "module",
                         lambda: SimpleNamespace(dot_available=lambda: False, dot_int8_available=lambda: False))
     assert draft_cpu.dot_kernel() is None and not draft_cpu.dot_serves(torch.empty(32, 64))

@@ -173,6 +173,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dot_available", &dot_available, "whether this build has the bf16 GEMM (AVX512-BF16, or FMAs on AVX2)");
   m.def("dot_int8_available", &dot_int8_available, "whether this build has the int8 GEMM (AVX512-VNNI, or AVX2)");
   m.def("dot_int8_input_levels", &dot_int8_input_levels, "the int8 GEMM's input levels: 127, or 63 on AVX2");
+  m.def("dot_int8_tiles_available", &dot_int8_tiles_available,
+        "whether the int8 GEMM runs on AMX tiles here (from 4 rows): built for AMX-INT8, tiles granted and wanted");
+  m.def("set_int8_tiles", &set_int8_tiles, "let the int8 GEMM take AMX tiles (true) or not, as TRTLLM_DFLASH_AMX");
   m.def("dot_linear", &dot_linear,
         "x @ W.T + bias from bf16 or int8 products (as the packed weight's dtype says), float32 sums");
   pybind11::class_<DraftStep>(m, "DraftStep")

@@ -19,9 +19,9 @@
 #include <cstdint>
 #include <memory>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "../amx_tiles.h"
+
+#if defined(DFLASH_AMX_TILES) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define DFLASH_AMX 1
 #endif
 
@@ -42,30 +42,7 @@ struct Tiles {
 #ifdef DFLASH_AMX
 constexpr bool kBuilt = true;
 
-// Linux grants a process the tile registers on request (once; false where the kernel refuses).
-inline bool enabled() {
-  static const bool granted = [] {
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-2: C (m rows of 16 float32); 3: inputs (m rows of 32 bf16); 4-6: B tiles (16 rows of 32 bf16).
-inline void configure(int64_t m) {
-  TileConfig config;
-  for (int t = 0; t < 7; ++t) {
-    config.bytes_per_row[t] = 64;
-    config.rows[t] = static_cast<uint8_t>(t >= 4 ? kTileK / 2 : m);
-  }
-  _tile_loadconfig(&config);
-}
+inline bool enabled() { return dflash_tiles::granted(); }
 
 inline __m512 widen(__m256bh parts) {  // bf16 -> float32: the bits moved to the top half
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i&>(parts)), 16));
@@ -100,7 +77,7 @@ inline void rows_times(const float* const* x, int64_t rows, int64_t in, Tiles w,
     split(x[r], in, row_parts);
   }
   for (int64_t m0 = 0; m0 < stacked; m0 += kTileRows) {
-    configure(std::min(kTileRows, stacked - m0));
+    dflash_tiles::configure(std::min(kTileRows, stacked - m0));
     const uint16_t* a = parts.get() + m0 * in;
     for (int64_t c0 = c_begin; c0 < c_end; c0 += 3 * kTileCols) {
       const int64_t group = std::min<int64_t>(3, (c_end - c0) / kTileCols);

@@ -92,16 +92,18 @@ inline torch::Tensor sink_attention(torch::Tensor qkv, torch::Tensor cos, torch:
         const float* value = vp + ((i * hkv + h) * capacity + first) * d;
         float most = sp ? sp[head] : -std::numeric_limits<float>::infinity();
         int64_t first_single = 0;
-#if defined(__AVX2__) && !defined(__AVX512F__)
-        // 8 keys at a time: 8 independent sums, reduced together (one key's sum chains its FMAs and ends in a
-        // horizontal sum of its own: the whole attention 0.77x its time for 1 or 8 queries on an AVX2 EPYC, round 24)
+#if defined(__AVX2__)
+        // kLanes keys at a time: as many independent sums, reduced together (one key's sum chains its FMAs and ends
+        // in a horizontal sum of its own: the whole attention 0.77x its time for 1 or 8 queries on an AVX2 EPYC,
+        // round 24). Which keys take this path depends only on the query's position, so a token's scores are the
+        // same in an AR step and in a verify.
         fvec peak = splat(most);
-        for (; first_single + 8 <= count; first_single += 8) {
+        for (; first_single + kLanes <= count; first_single += kLanes) {
           const float* keys = key + first_single * d;
-          fvec acc[8];
-          for (int u = 0; u < 8; ++u) acc[u] = load(q.data()) * load(keys + u * d);
+          fvec acc[kLanes];
+          for (int u = 0; u < kLanes; ++u) acc[u] = load(q.data()) * load(keys + u * d);
           for (int64_t e = kLanes; e < d; e += kLanes)
-            for (int u = 0; u < 8; ++u) acc[u] += load(q.data() + e) * load(keys + u * d + e);
+            for (int u = 0; u < kLanes; ++u) acc[u] += load(q.data() + e) * load(keys + u * d + e);
           const fvec s = lane_sums(acc) * fscale;
           store(scores.data() + first_single, s);
           peak = s > peak ? s : peak;
