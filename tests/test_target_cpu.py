@@ -473,14 +473,17 @@ def test_the_whole_step_is_the_per_call_path_bit_for_bit():
             assert runs[0][1].shape == (batch, width, 2 * target.hidden_size)
 
 
-def test_a_hook_sends_the_step_down_the_per_call_path():
-    """Calibration hooks a router: the step then runs part by part, so the hook sees the router's input."""
+@pytest.mark.parametrize("watched", ["router", "embedding"])
+def test_a_hook_sends_the_step_down_the_per_call_path(watched):
+    """Calibration hooks a router (or the embedding, which the whole step looks up itself): the step then runs part
+    by part, so the hook sees the module's input."""
     target = exact_storage_target(seed=6)
+    module = target.layer_parts[1].router if watched == "router" else target.hf.model.embed_tokens
     seen = []
-    handle = target.layer_parts[1].router.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0]))
+    handle = module.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0]))
     try:
         target(torch.tensor([[3, 4, 5]]), torch.arange(3)[None], target.new_cache(1, 3), [])
     finally:
         handle.remove()
-    assert len(seen) == 1 and seen[0].shape == (3, target.hidden_size)
+    assert len(seen) == 1 and seen[0].shape == ((3, target.hidden_size) if watched == "router" else (1, 3))
     assert target.whole_step() is not None  # served, but not taken while hooked

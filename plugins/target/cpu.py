@@ -285,18 +285,18 @@ def sink_attention_cpu(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 
 class WholeTargetStep:
     """The target's decoder layers for a step in one compiled call (`cpu_kernel.cpp` `TargetStep`, built by
-    `GptOssTarget.whole_step`): the first RMSNorm, every layer's attention and MoE with their residual adds and norms,
-    over weights held from construction."""
+    `GptOssTarget.whole_step`): the embedding and RoPE lookups, the first RMSNorm, every layer's attention and MoE
+    with their residual adds and norms, over weights held from construction."""
 
-    def __init__(self, step):
-        self.step = step
+    def __init__(self, step, embedding: torch.Tensor, rotary):
+        self.step, self.embedding, self.rotary = step, embedding, rotary  # rotary: the target's `Rotary`
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, positions: torch.Tensor,
+    def __call__(self, tokens: torch.Tensor, cache, positions: torch.Tensor,
                  feature_layers: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x float32 [b, t, H] (the embeddings), `Rotary`'s cos / sin [b, t, D], the `KVArena` (its K/V written at
-        positions int64 [b, t]) -> (final-normed hidden states [b, t, H], the feature layers' outputs side by side
-        [b, t, len * H] or None)."""
-        return tuple(self.step.step(x, cos, sin, cache.k, cache.v, positions, feature_layers))
+        """tokens int64 [b, t] at positions int64 [b, t] (their K/V written into the `KVArena` there) -> (final-normed
+        hidden states [b, t, H], the feature layers' outputs side by side [b, t, len * H] or None)."""
+        rope = self.rotary.table(cache.capacity, torch.float32, tokens.device)  # the arena bounds every position
+        return tuple(self.step.step(tokens, self.embedding, rope, cache.k, cache.v, positions, feature_layers))
 
 
 def attention_serves(x: torch.Tensor, head_dim: int) -> bool:

@@ -467,29 +467,37 @@ class TargetStep {
                 "every per-layer list must have one entry per layer");
   }
 
-  // x float32 [b, t, H] (the tokens' embeddings), cos / sin [b, t, D] (`Rotary`'s), the arena's per-layer keys /
-  // values [b, Hkv, S, D], positions int64 [b, t], feature_layers: layers whose output (the residual stream after
-  // them) to return. Writes the tokens' K/V -> (the final-normed hidden states [b, t, H], the feature layers' outputs
-  // side by side [b, t, len * H], or an empty tensor without feature layers).
-  std::vector<torch::Tensor> step(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+  // tokens int64 [b, t], embedding float32 [V, H] (the target's), rope: `Rotary.table` float32 [P, 2, D] covering
+  // every position, the arena's per-layer keys / values [b, Hkv, S, D], positions int64 [b, t], feature_layers:
+  // layers whose output (the residual stream after them) to return. Looks the tokens' embeddings and cos / sin up
+  // itself (two Python module calls less a step), writes the tokens' K/V -> (the final-normed hidden states [b, t, H],
+  // the feature layers' outputs side by side [b, t, len * H], or an empty tensor without feature layers).
+  std::vector<torch::Tensor> step(const torch::Tensor& tokens, const torch::Tensor& embedding, const torch::Tensor& rope,
                                   const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
                                   const torch::Tensor& positions, const std::vector<int64_t>& feature_layers) const {
     const int64_t layers = qkv_.size();
-    TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32, "x must be float32 [b, t, H]");
+    TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kInt64, "tokens must be int64 [b, t]");
+    TORCH_CHECK(positions.sizes() == tokens.sizes() && positions.scalar_type() == torch::kInt64,
+                "positions must be int64 [b, t], as tokens");
+    TORCH_CHECK(embedding.dim() == 2 && embedding.scalar_type() == torch::kFloat32, "embedding must be float32 [V, H]");
+    TORCH_CHECK(rope.dim() == 3 && rope.size(1) == 2 && rope.scalar_type() == torch::kFloat32,
+                "rope must be the float32 cos/sin table [P, 2, D]");
     TORCH_CHECK(static_cast<int64_t>(keys.size()) == layers && static_cast<int64_t>(values.size()) == layers,
                 "keys / values must hold one arena tensor per layer");
     for (const int64_t layer : feature_layers)
       TORCH_CHECK(layer >= 0 && layer < layers, "feature layer ", layer, " is not a layer of this target");
-    const int64_t batch = x.size(0), t = x.size(1), hidden = x.size(2);
-    x = x.contiguous();
+    const int64_t batch = tokens.size(0), t = tokens.size(1), hidden = embedding.size(1);
+    auto x = embedding.index_select(0, tokens.reshape(-1)).view({batch, t, hidden});
+    const auto picked = rope.index_select(0, positions.reshape(-1)).view({batch, t, 2, rope.size(2)});
+    const auto cos = picked.select(2, 0), sin = picked.select(2, 1);
     auto h = rms_norm(x, first_norm_, eps_);
     std::vector<torch::Tensor> outputs;  // each layer's residual stream after it
     for (int64_t i = 0; i < layers; ++i) {
       const auto attended = dflash_attention::sink_attention(apply(qkv_[i], h), cos, sin, keys[i], values[i], positions,
                                                              windows_[i], sinks_[i], scale_);
       auto mid = add_rms_norm(x, apply(o_proj_[i], attended), post_attention_norms_[i], eps_);
-      const auto tokens = mid[1].view({batch * t, hidden});
-      const auto experts = std::apply([&](const auto&... weights) { return moe(tokens, weights...); }, moe_[i]);
+      const auto rows = mid[1].view({batch * t, hidden});
+      const auto experts = std::apply([&](const auto&... weights) { return moe(rows, weights...); }, moe_[i]);
       auto next = add_rms_norm(mid[0], experts.view({batch, t, hidden}), next_norms_[i], eps_);
       x = next[0];
       h = next[1];

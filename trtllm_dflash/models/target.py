@@ -334,8 +334,8 @@ class GptOssTarget(nn.Module):
         self.moe_call_sets: dict[str, list[target_cpu.MoeCall | None]] = {}
         self.whole_steps: dict[str, target_cpu.WholeTargetStep | None] = {}  # per expert storage, built on first use
         # the modules a hook on which sends a step down the per-call path (`hooked`)
-        self.watched = tuple(module for parts in self.layer_parts
-                             for module in (*parts.projections, parts.o_proj, parts.experts, parts.router))
+        self.watched = (hf_model.model.embed_tokens, *(module for parts in self.layer_parts
+                        for module in (*parts.projections, parts.o_proj, parts.experts, parts.router)))
         self.use_expert_storage(next(iter(self.expert_storages)))
         self.use_cpu_kernels = True  # False: attention, MoE and add + RMSNorms in torch even where compiled kernels serve
         self.use_whole_step = True  # False: the decoder layers part by part even where `whole_step` serves (an A/B)
@@ -396,7 +396,7 @@ class GptOssTarget(nn.Module):
             [parts.sinks for parts in self.layer_parts], [-1 if w is None else w for w in self.windows],
             [weights[1] for weights in self.norm_weights], [call.arguments() for call in self.moe_calls],
             [weights for _, weights in self.next_norms], norms[0].variance_epsilon, self.scale)
-        return target_cpu.WholeTargetStep(step)
+        return target_cpu.WholeTargetStep(step, self.hf.model.embed_tokens.weight.detach(), self.rotary)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -477,15 +477,16 @@ class GptOssTarget(nn.Module):
         states instead, [b, t, H] or [b, H]) and the concatenated outputs of `feature_layers` [b, t, len * hidden]
         (None when no layer is asked for).
         """
-        x = self.embed(tokens)
-        kv_len = int(positions.max()) + 1
-        cos, sin = self.rotary(positions, x.dtype, kv_len)
-        compiled = x.device.type == "cpu" and self.use_cpu_kernels
-        compiled_attention = compiled and target_cpu.attention_serves(x, self.head_dim)
+        embedding = self.hf.model.embed_tokens.weight  # the hidden states' dtype and device
+        compiled = embedding.device.type == "cpu" and self.use_cpu_kernels
+        compiled_attention = compiled and target_cpu.attention_serves(embedding, self.head_dim)
         step = self.whole_step() if compiled_attention and self.use_whole_step else None
         if step is not None and not hooked(*self.watched):
-            h, features = step(x, cos, sin, cache, positions, feature_layers)
+            h, features = step(tokens, cache, positions, feature_layers)
         else:
+            x = self.embed(tokens)
+            kv_len = int(positions.max()) + 1
+            cos, sin = self.rotary(positions, x.dtype, kv_len)
             h, features = self.layers(x, cos, sin, positions, cache, feature_layers, kv_len, compiled, compiled_attention)
         if logit_index is not None:
             h = h[torch.arange(len(h), device=h.device), logit_index]
