@@ -107,7 +107,8 @@ struct Int8Products {
     const __m512i exact = _mm512_sub_epi32(acc, _mm512_set1_epi32(e.row_offset[r]));
     const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(e.row_scale[r]), _mm512_loadu_ps(e.col_scale + col));
     const __m512 sums = _mm512_cvtepi32_ps(exact);  // one FMA, not a product the compiler may or may not fuse
-    _mm512_storeu_ps(y, e.bias ? _mm512_fmadd_ps(sums, scale, _mm512_loadu_ps(e.bias + col)) : _mm512_mul_ps(sums, scale));
+    _mm512_storeu_ps(y, e.bias ? _mm512_fmadd_ps(sums, scale, _mm512_loadu_ps(e.bias + col))
+                               : _mm512_mul_ps(sums, scale));
   }
 };
 
@@ -221,7 +222,8 @@ constexpr int64_t kTileMinRows = 4;  // fewer rows: the AVX512 tiles win (a tile
 // The int8 GEMM on AMX tiles: the same packed weights (a group's 16 input words for its 16 columns are one B tile of
 // 16 rows x 64 bytes) times up to 16 input rows at a time, 3 column groups a pass, the same int32 sums as
 // `Int8Products` and its epilogue, so the same float32 outputs bit for bit. `words` a multiple of 16. On a Xeon VM
-// with AMX: ~0.5-0.7x the AVX512 time at 4 rows, ~0.3-0.5x at 8 to 24 (drafter shapes; round 26).
+// with AMX, drafter shapes, hot caches: 0.6-0.9x the AVX512 time at 4 rows, 0.4-0.7x at 8, 0.35-0.55x at 16; no gain
+// inside a lone request's drafter step, which streams its weights from L3 whichever unit multiplies (round 26).
 inline void tile_multiply(int64_t rows, const uint32_t* x, int64_t words, const uint32_t* w, const Epilogue& e,
                           float* y, int64_t out) {
   const int64_t chunks = words / 16, group_bytes = words * 64, row_bytes = words * 4;
