@@ -1,6 +1,7 @@
 """The drafter's GEMMs at its step's row counts: the compiled dot GEMMs (`plugins/draft_block/dot_gemm.h`: bf16
 "dot", and int8 "dot-int8" where the CPU has AVX512-VNNI or AVX2, the same int8 GEMM on AMX tiles "dot-int8-amx" where
-it has AMX-INT8, which `dot_linear` takes from 4 rows) beside fbgemm's float16-weight GEMM and oneDNN's prepacked bf16 one, interleaved per repeat, with the FLOP rate. The ratio column compares bf16 "dot" with the best of the
+it has AMX-INT8, which `dot_linear` takes from 4 rows) beside fbgemm's float16-weight GEMM and oneDNN's prepacked bf16
+one, interleaved per repeat, with the FLOP rate. The ratio column compares bf16 "dot" with the best of the
 others (int8 excluded: it changes the numbers more).
 
     python benchmarks/bench_dot_gemm.py [--rows 1,8,11,56] [--repeats 5] [--calls 2000] [--threads 1]

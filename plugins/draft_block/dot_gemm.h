@@ -474,7 +474,7 @@ inline torch::Tensor dot_linear(const torch::Tensor& x, const torch::Tensor& pac
     madd_multiply(rows, x_words.data(), words, w, e, yp, out);
 #else
 #if defined(DFLASH_AMX_INT8)
-    if (rows >= kTileMinRows && words % 16 == 0 && int8_tiles_wanted() && dflash_tiles::granted())
+    if (rows >= kTileMinRows && words % 16 == 0 && dot_int8_tiles_available())
       tile_multiply(rows, x_words.data(), words, w, e, yp, out);
     else
 #endif

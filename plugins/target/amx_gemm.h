@@ -40,9 +40,8 @@ struct Tiles {
 };
 
 #ifdef DFLASH_AMX
-constexpr bool kBuilt = true;
-
-inline bool enabled() { return dflash_tiles::granted(); }
+// Whether this build and CPU run the AMX-BF16 GEMM: built for it and the tiles granted (`amx_tiles.h`).
+inline bool available() { return dflash_tiles::granted(); }
 
 inline __m512 widen(__m256bh parts) {  // bf16 -> float32: the bits moved to the top half
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i&>(parts)), 16));
@@ -118,15 +117,11 @@ inline void rows_times(const float* const* x, int64_t rows, int64_t in, Tiles w,
 }
 
 #else
-constexpr bool kBuilt = false;
-
-inline bool enabled() { return false; }
+inline bool available() { return false; }
 
 inline void rows_times(const float* const*, int64_t, int64_t, Tiles, const float*, float* const*, int64_t, int64_t) {
   TORCH_CHECK(false, "this build has no AMX-BF16 GEMM (the CPU lacks the instructions)");
 }
 #endif
-
-inline bool available() { return kBuilt && enabled(); }
 
 }  // namespace dflash_amx
