@@ -25,6 +25,7 @@
 #include <torch/extension.h>
 
 #include "../amx_tiles.h"
+#include "../scratch.h"
 
 #include <immintrin.h>
 
@@ -33,7 +34,6 @@
 #include <cstdlib>
 #include <string>
 #include <type_traits>
-#include <vector>
 
 namespace dflash_dot {
 
@@ -463,33 +463,32 @@ inline torch::Tensor dot_linear(const torch::Tensor& x, const torch::Tensor& pac
   float* yp = y.data_ptr<float>();
   if (int8) {
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(DFLASH_INT8_BY_MADD)
-    std::vector<uint32_t> x_words(rows * words);
-    std::vector<float> row_scale(rows);
-    std::vector<int32_t> row_offset(rows);
-    for (int64_t r = 0; r < rows; ++r)
-      row_scale[r] = to_bytes(xp + r * in, in, x_words.data() + r * words, row_offset.data() + r);
-    e.row_scale = row_scale.data();
-    e.row_offset = row_offset.data();
+    uint32_t* x_words = dflash_scratch::buffer<uint32_t, struct DotInputWords>(rows * words);
+    float* row_scale = dflash_scratch::buffer<float, struct DotRowScales>(rows);
+    int32_t* row_offset = dflash_scratch::buffer<int32_t, struct DotRowOffsets>(rows);
+    for (int64_t r = 0; r < rows; ++r) row_scale[r] = to_bytes(xp + r * in, in, x_words + r * words, row_offset + r);
+    e.row_scale = row_scale;
+    e.row_offset = row_offset;
 #if defined(DFLASH_INT8_BY_MADD)
-    madd_multiply(rows, x_words.data(), words, w, e, yp, out);
+    madd_multiply(rows, x_words, words, w, e, yp, out);
 #else
 #if defined(DFLASH_AMX_INT8)
     if (rows >= kTileMinRows && words % 16 == 0 && dot_int8_tiles_available())
-      tile_multiply(rows, x_words.data(), words, w, e, yp, out);
+      tile_multiply(rows, x_words, words, w, e, yp, out);
     else
 #endif
-    multiply<Int8Products>(rows, x_words.data(), words, w, e, yp, out);
+    multiply<Int8Products>(rows, x_words, words, w, e, yp, out);
 #endif
 #endif
   } else {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-    std::vector<uint32_t> x_words(rows * words);
-    for (int64_t r = 0; r < rows; ++r) to_pairs(xp + r * in, in, x_words.data() + r * words);
-    multiply<Bf16Products>(rows, x_words.data(), words, w, e, yp, out);
+    uint32_t* x_words = dflash_scratch::buffer<uint32_t, struct DotInputWords>(rows * words);
+    for (int64_t r = 0; r < rows; ++r) to_pairs(xp + r * in, in, x_words + r * words);
+    multiply<Bf16Products>(rows, x_words, words, w, e, yp, out);
 #elif defined(DFLASH_BF16_BY_FMA)
-    std::vector<float> rounded(rows * in);
-    for (int64_t r = 0; r < rows; ++r) to_bf16_floats(xp + r * in, in, rounded.data() + r * in);
-    fma_multiply(rows, rounded.data(), in, w, e.bias, yp, out);
+    float* rounded = dflash_scratch::buffer<float, struct DotRoundedInputs>(rows * in);
+    for (int64_t r = 0; r < rows; ++r) to_bf16_floats(xp + r * in, in, rounded + r * in);
+    fma_multiply(rows, rounded, in, w, e.bias, yp, out);
 #endif
   }
   return y;

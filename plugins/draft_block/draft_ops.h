@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 
 #include "../norms.h"
+#include "../scratch.h"
 #include "../vector_math.h"
 
 #include <algorithm>
@@ -105,8 +106,13 @@ inline torch::Tensor draft_block_attention(torch::Tensor q, torch::Tensor k_blk,
   // and held transposed ([D][rows]: a key's scores for every row are a few vector FMAs per dimension); the
   // scores [keys][rows] likewise.
   const int64_t tile = group * block, width = (tile + kLanes - 1) / kLanes * kLanes;
-  std::vector<float> keys(block * d), scratch(d), query(d), queries_t(d * width, 0.f), scores((capacity + block) * width),
-      total(width), out_t(d * width), zeros(d, 0.f);
+  // keys [B][D], scratch [D], query [D], queries_t and out_t [D][width], scores [keys][width], total [width], zeros [D]
+  float* const keys = dflash_scratch::buffer<float, struct DraftAttentionFloats>(
+      block * d + 3 * d + 2 * d * width + (capacity + block) * width + width);
+  float *scratch = keys + block * d, *query = scratch + d, *queries_t = query + d, *out_t = queries_t + d * width;
+  float *scores = out_t + d * width, *total = scores + (capacity + block) * width, *zeros = total + width;
+  std::fill(queries_t, queries_t + d * width, 0.f);  // the padding rows stay zero
+  std::fill(zeros, zeros + d, 0.f);
   for (int64_t i = 0; i < batch; ++i) {
     const int64_t n = len[i];
     TORCH_CHECK(n >= 0 && n <= capacity, "ctx_lens[", i, "] = ", n, " lies outside [0, ", capacity, "]");
@@ -119,10 +125,10 @@ inline torch::Tensor draft_block_attention(torch::Tensor q, torch::Tensor k_blk,
       for (int64_t j = 0; j < block; ++j) {  // the block's keys, normed and rotated once for the group
         const int64_t r = i * block + j;
         prologue(kp + r * k_blk.stride(0) + g * k_blk.stride(1), d, kw, cp + r * cs, sp + r * ss, feps,
-                 scratch.data(), keys.data() + j * d);
+                 scratch, keys + j * d);
         for (int64_t h = 0; h < group; ++h) {
           prologue(qp + r * q.stride(0) + (g * group + h) * q.stride(1), d, qw, cp + r * cs, sp + r * ss, feps,
-                   scratch.data(), query.data());
+                   scratch, query);
           for (int64_t e = 0; e < d; ++e) queries_t[e * width + h * block + j] = query[e] * fscale;
         }
       }
@@ -131,15 +137,15 @@ inline torch::Tensor draft_block_attention(torch::Tensor q, torch::Tensor k_blk,
         const float* key[kKeys];
         for (int64_t u = 0; u < kKeys; ++u) {
           const int64_t p = p0 + u;
-          key[u] = p >= seen ? zeros.data() : p < context ? ck + p * ctx_k.stride(2) : keys.data() + (p - context) * d;
+          key[u] = p >= seen ? zeros : p < context ? ck + p * ctx_k.stride(2) : keys + (p - context) * d;
         }
         for (int64_t t = 0; t < width; t += kLanes) {
           fvec s[kKeys] = {};
           for (int64_t e = 0; e < d; ++e) {
-            const fvec qe = load(queries_t.data() + e * width + t);
+            const fvec qe = load(queries_t + e * width + t);
             for (int64_t u = 0; u < kKeys; ++u) s[u] += qe * key[u][e];
           }
-          for (int64_t u = 0; u < kKeys && p0 + u < seen; ++u) store(scores.data() + (p0 + u) * width + t, s[u]);
+          for (int64_t u = 0; u < kKeys && p0 + u < seen; ++u) store(scores + (p0 + u) * width + t, s[u]);
         }
       }
       if (sliding_window > 0) {  // slot j sees context from max(0, n + j - W + 1): later slots lose a few more
@@ -151,20 +157,20 @@ inline torch::Tensor draft_block_attention(torch::Tensor q, torch::Tensor k_blk,
       for (int64_t t = 0; t < width; t += kLanes) {
         fvec most = splat(-std::numeric_limits<float>::infinity());
         for (int64_t p = 0; p < seen; ++p) {
-          const fvec x = load(scores.data() + p * width + t);
+          const fvec x = load(scores + p * width + t);
           most = x > most ? x : most;
         }
         fvec sum{};
         for (int64_t p = 0; p < seen; ++p) {
-          const fvec w = vexp(load(scores.data() + p * width + t) - most);
-          store(scores.data() + p * width + t, w);
+          const fvec w = vexp(load(scores + p * width + t) - most);
+          store(scores + p * width + t, w);
           sum += w;
         }
-        store(total.data() + t, sum);
+        store(total + t, sum);
       }
       // out^T [D][rows] = sum over keys of v_p^T * weights_p: per tile of kValueTile keys, eight
       // dimensions at a time in registers (accumulators in L1 cost a store per FMA, which bounds the loop)
-      std::fill(out_t.begin(), out_t.end(), 0.f);
+      std::fill(out_t, out_t + d * width, 0.f);
       for (int64_t p0 = 0; p0 < seen; p0 += kValueTile) {
         const int64_t p1 = std::min<int64_t>(seen, p0 + kValueTile);
         const float* rows_v[kValueTile];
@@ -173,12 +179,12 @@ inline torch::Tensor draft_block_attention(torch::Tensor q, torch::Tensor k_blk,
                                        : vp + (i * block + p - context) * v_blk.stride(0) + g * v_blk.stride(1);
         for (int64_t t = 0; t < width; t += kLanes)
           for (int64_t e = 0; e < d; e += 8) {
-            float* o = out_t.data() + e * width + t;
+            float* o = out_t + e * width + t;
             fvec a0 = load(o), a1 = load(o + width), a2 = load(o + 2 * width), a3 = load(o + 3 * width),
                  a4 = load(o + 4 * width), a5 = load(o + 5 * width), a6 = load(o + 6 * width), a7 = load(o + 7 * width);
             for (int64_t p = p0; p < p1; ++p) {
               const float* value = rows_v[p - p0] + e;
-              const fvec w = load(scores.data() + p * width + t);
+              const fvec w = load(scores + p * width + t);
               a0 += w * value[0]; a1 += w * value[1]; a2 += w * value[2]; a3 += w * value[3];
               a4 += w * value[4]; a5 += w * value[5]; a6 += w * value[6]; a7 += w * value[7];
             }

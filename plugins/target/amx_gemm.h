@@ -17,9 +17,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <memory>
 
 #include "../amx_tiles.h"
+#include "../scratch.h"
 
 #if defined(DFLASH_AMX_TILES) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define DFLASH_AMX 1
@@ -69,15 +69,15 @@ inline void rows_times(const float* const* x, int64_t rows, int64_t in, Tiles w,
                        int64_t c_begin, int64_t c_end) {
   const int64_t chunks = in / kTileK, stacked = 3 * rows, width = c_end - c_begin;
   const int64_t bytes = in * static_cast<int64_t>(sizeof(uint16_t));  // between the stacked rows
-  const std::unique_ptr<uint16_t[]> parts(new uint16_t[stacked * in]);  // uninitialized: every entry is written
-  const std::unique_ptr<float[]> sums(new float[stacked * width]);
+  uint16_t* const parts = dflash_scratch::buffer<uint16_t, struct AmxParts>(stacked * in);  // every entry is written
+  float* const sums = dflash_scratch::buffer<float, struct AmxSums>(stacked * width);
   for (int64_t r = 0; r < rows; ++r) {
     uint16_t* const row_parts[3] = {&parts[r * in], &parts[(rows + r) * in], &parts[(2 * rows + r) * in]};
     split(x[r], in, row_parts);
   }
   for (int64_t m0 = 0; m0 < stacked; m0 += kTileRows) {
     dflash_tiles::configure(std::min(kTileRows, stacked - m0));
-    const uint16_t* a = parts.get() + m0 * in;
+    const uint16_t* a = parts + m0 * in;
     for (int64_t c0 = c_begin; c0 < c_end; c0 += 3 * kTileCols) {
       const int64_t group = std::min<int64_t>(3, (c_end - c0) / kTileCols);
       const uint16_t* b = w.data + c0 / kTileCols * chunks * kTileSize;  // column tile c0 / 16, row slice 0
@@ -98,7 +98,7 @@ inline void rows_times(const float* const* x, int64_t rows, int64_t in, Tiles w,
         if (group > 1) _tile_dpbf16ps(1, 3, 5);
         if (group > 2) _tile_dpbf16ps(2, 3, 6);
       }
-      float* c = sums.get() + m0 * width + (c0 - c_begin);
+      float* c = sums + m0 * width + (c0 - c_begin);
       const int64_t stride = width * static_cast<int64_t>(sizeof(float));
       _tile_stored(0, c, stride);
       if (group > 1) _tile_stored(1, c + kTileCols, stride);

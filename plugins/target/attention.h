@@ -4,13 +4,13 @@
 
 #include <torch/extension.h>
 
+#include "../scratch.h"
 #include "../vector_math.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <vector>
 
 namespace dflash_attention {
 
@@ -78,16 +78,17 @@ inline torch::Tensor sink_attention(torch::Tensor qkv, torch::Tensor cos, torch:
       }
     }
   const auto fscale = static_cast<float>(scale);
-  std::vector<float> q(d), scores;
+  // a query [D], then its scores (a window's or the arena's keys, and a vector's slack)
+  float* const q = dflash_scratch::buffer<float, struct AttentionFloats>(d + capacity + kLanes);
+  float* const scores = q + d;
   for (int64_t i = 0; i < batch; ++i)
     for (int64_t j = 0; j < t; ++j) {
       const int64_t p = pos[i * t + j];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
       const int64_t count = p - first + 1;
-      scores.resize(count + kLanes);
       for (int64_t head = 0; head < hq; ++head) {
         const int64_t h = head / group;
-        rotate(qp + (i * t + j) * width + head * d, cos_at(i, j), sin_at(i, j), d, q.data());
+        rotate(qp + (i * t + j) * width + head * d, cos_at(i, j), sin_at(i, j), d, q);
         const float* key = kp + ((i * hkv + h) * capacity + first) * d;
         const float* value = vp + ((i * hkv + h) * capacity + first) * d;
         float most = sp ? sp[head] : -std::numeric_limits<float>::infinity();
@@ -101,18 +102,18 @@ inline torch::Tensor sink_attention(torch::Tensor qkv, torch::Tensor cos, torch:
         for (; first_single + kLanes <= count; first_single += kLanes) {
           const float* keys = key + first_single * d;
           fvec acc[kLanes];
-          for (int u = 0; u < kLanes; ++u) acc[u] = load(q.data()) * load(keys + u * d);
+          for (int u = 0; u < kLanes; ++u) acc[u] = load(q) * load(keys + u * d);
           for (int64_t e = kLanes; e < d; e += kLanes)
-            for (int u = 0; u < kLanes; ++u) acc[u] += load(q.data() + e) * load(keys + u * d + e);
+            for (int u = 0; u < kLanes; ++u) acc[u] += load(q + e) * load(keys + u * d + e);
           const fvec s = lane_sums(acc) * fscale;
-          store(scores.data() + first_single, s);
+          store(scores + first_single, s);
           peak = s > peak ? s : peak;
         }
         for (int u = 0; u < kLanes; ++u) most = std::max(most, peak[u]);
 #endif
         for (int64_t k = first_single; k < count; ++k) {
-          fvec acc = load(q.data()) * load(key + k * d);
-          for (int64_t e = kLanes; e < d; e += kLanes) acc += load(q.data() + e) * load(key + k * d + e);
+          fvec acc = load(q) * load(key + k * d);
+          for (int64_t e = kLanes; e < d; e += kLanes) acc += load(q + e) * load(key + k * d + e);
           scores[k] = lane_sum(acc) * fscale;
           most = std::max(most, scores[k]);
         }
@@ -120,18 +121,18 @@ inline torch::Tensor sink_attention(torch::Tensor qkv, torch::Tensor cos, torch:
         int64_t k = 0;
         fvec lanes{};
         for (; k + kLanes <= count; k += kLanes) {
-          const fvec e = vexp(load(scores.data() + k) - most);
-          store(scores.data() + k, e);
+          const fvec e = vexp(load(scores + k) - most);
+          store(scores + k, e);
           lanes += e;
         }
         total += lane_sum(lanes);
         for (; k < count; ++k) total += (scores[k] = std::exp(scores[k] - most));
         float* o = op + (i * t + j) * hq * d + head * d;
         for (int64_t e0 = 0; e0 < d; e0 += 4 * kLanes) switch (std::min<int64_t>(4, (d - e0) / kLanes)) {
-            case 4: weighted_values<4>(scores.data(), value, count, d, e0, total, o); break;
-            case 3: weighted_values<3>(scores.data(), value, count, d, e0, total, o); break;
-            case 2: weighted_values<2>(scores.data(), value, count, d, e0, total, o); break;
-            default: weighted_values<1>(scores.data(), value, count, d, e0, total, o); break;
+            case 4: weighted_values<4>(scores, value, count, d, e0, total, o); break;
+            case 3: weighted_values<3>(scores, value, count, d, e0, total, o); break;
+            case 2: weighted_values<2>(scores, value, count, d, e0, total, o); break;
+            default: weighted_values<1>(scores, value, count, d, e0, total, o); break;
           }
       }
     }

@@ -23,6 +23,7 @@
 #include "amx_gemm.h"
 #include "attention.h"
 #include "../norms.h"
+#include "../scratch.h"
 
 #include <immintrin.h>
 
@@ -198,38 +199,41 @@ void scale_row(const float* row, const float* scales, int64_t width, float* out)
   for (int64_t c = 0; c < width; c += kLanes) store(out + c, load(row + c) * load(scales + c));
 }
 
-// One expert's rows `routed` (token * k + slot, in token order): gate_up, the gate, down, the routing weight,
+// One expert's `rows` rows `routed` (token * k + slot, in token order): gate_up, the gate, down, the routing weight,
 // into slots[token * k + slot]. int8 experts: `gus` [H] and `dns` [I] are the power-of-two scales of their
 // matrices' input rows, which multiply the inputs instead of the weights: x_h s_h exactly, so each product
 // (x_h s_h) q_hc is the float32 original's x_h w_hc bit for bit, and the weights need no multiply (-15% of the
 // MoE's time against a scale per weight, round 20). `W`: a weight pointer (float32 or int8), bf16 pairs or AMX tiles.
 template <typename W>
-void run_expert(const float* xp, const float* sp, const std::vector<int64_t>& routed, int64_t k, int64_t hidden,
+void run_expert(const float* xp, const float* sp, const int64_t* routed, int64_t rows, int64_t k, int64_t hidden,
                 int64_t inter, W gu, const float* gus, const float* gub, W dn, const float* dns,
                 const float* dnb, float alpha, float limit, float* slots) {
-  const int64_t rows = static_cast<int64_t>(routed.size());
-  std::vector<float> gate_up(rows * 2 * inter), gate(inter), up(inter), act(rows * inter);
-  std::vector<float> scaled(gus ? rows * hidden : 0);
-  std::vector<const float*> x_rows, act_rows;
-  std::vector<float*> gate_up_rows, out_rows;
+  using dflash_scratch::buffer;
+  // gate_up [rows, 2I], act [rows, I], gate [I], up [I] and the scaled inputs [rows, H] in one buffer
+  float* gate_up = buffer<float, struct ExpertFloats>(rows * (3 * inter + hidden) + 2 * inter);
+  float *act = gate_up + rows * 2 * inter, *gate = act + rows * inter, *up = gate + inter, *scaled = up + inter;
+  const float** inputs = buffer<const float*, struct ExpertInputs>(2 * rows);  // x rows, then act rows
+  float** outputs = buffer<float*, struct ExpertOutputs>(2 * rows);            // gate_up rows, then slot rows
+  const float **x_rows = inputs, **act_rows = inputs + rows;
+  float **gate_up_rows = outputs, **out_rows = outputs + rows;
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = xp + routed[r] / k * hidden;
     if (gus) {
-      scale_row(x, gus, hidden, scaled.data() + r * hidden);
-      x = scaled.data() + r * hidden;
+      scale_row(x, gus, hidden, scaled + r * hidden);
+      x = scaled + r * hidden;
     }
-    x_rows.push_back(x);
-    gate_up_rows.push_back(gate_up.data() + r * 2 * inter);
-    act_rows.push_back(act.data() + r * inter);
-    out_rows.push_back(slots + routed[r] * hidden);
+    x_rows[r] = x;
+    gate_up_rows[r] = gate_up + r * 2 * inter;
+    act_rows[r] = act + r * inter;
+    out_rows[r] = slots + routed[r] * hidden;
   }
   const bool tile_major = std::is_same_v<W, const int8_t*>;  // int8 experts come stored tile by tile (`int8_rows`)
-  linear_rows(x_rows.data(), rows, hidden, gu, 2 * inter, gub, gate_up_rows.data(), 0, 2 * inter, tile_major);
+  linear_rows(x_rows, rows, hidden, gu, 2 * inter, gub, gate_up_rows, 0, 2 * inter, tile_major);
   for (int64_t r = 0; r < rows; ++r) {
-    clamped_swiglu(gate_up_rows[r], inter, alpha, limit, gate.data(), up.data(), act.data() + r * inter);
-    if (dns) scale_row(act.data() + r * inter, dns, inter, act.data() + r * inter);
+    clamped_swiglu(gate_up_rows[r], inter, alpha, limit, gate, up, act + r * inter);
+    if (dns) scale_row(act + r * inter, dns, inter, act + r * inter);
   }
-  linear_rows(act_rows.data(), rows, inter, dn, hidden, dnb, out_rows.data(), 0, hidden, tile_major);
+  linear_rows(act_rows, rows, inter, dn, hidden, dnb, out_rows, 0, hidden, tile_major);
   for (int64_t r = 0; r < rows; ++r) {
     const fvec score = splat(sp[routed[r]]);
     for (int64_t c = 0; c < hidden; c += kLanes) store(out_rows[r] + c, load(out_rows[r] + c) * score);
@@ -241,15 +245,24 @@ template <typename W>
 void run_experts(const float* xp, const int64_t* ip, const float* sp, int64_t n, int64_t k, int64_t hidden,
                  int64_t inter, int64_t experts, W gu, const float* gus, const float* gub, W dn,
                  const float* dns, const float* dnb, float alpha, float limit, float* slots) {
-  std::vector<std::vector<int64_t>> routed(experts);
-  for (int64_t s = 0; s < n * k; ++s) routed[ip[s]].push_back(s);
-  std::vector<int64_t> touched;
-  for (int64_t e = 0; e < experts; ++e)
-    if (!routed[e].empty()) touched.push_back(e);
-  at::parallel_for(0, static_cast<int64_t>(touched.size()), 1, [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i) {
+  using dflash_scratch::buffer;
+  // each expert's routed slots (token * k + slot, in token order) side by side: a counting sort
+  int64_t* first = buffer<int64_t, struct RoutedFirst>(experts + 1);  // expert e's run: [first[e], first[e + 1])
+  int64_t* routed = buffer<int64_t, struct RoutedSlots>(n * k);
+  int64_t* touched = buffer<int64_t, struct TouchedExperts>(experts);
+  std::fill(first, first + experts + 1, 0);
+  for (int64_t s = 0; s < n * k; ++s) ++first[ip[s] + 1];
+  int64_t count = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (first[e + 1] > 0) touched[count++] = e;
+    first[e + 1] += first[e];
+  }
+  for (int64_t e = experts; e > 0; --e) first[e] = first[e - 1];  // each run's start, advanced as it fills
+  for (int64_t s = 0; s < n * k; ++s) routed[first[ip[s] + 1]++] = s;
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
       const int64_t e = touched[i];
-      run_expert(xp, sp, routed[e], k, hidden, inter, expert_at(gu, e, hidden * 2 * inter),
+      run_expert(xp, sp, routed + first[e], first[e + 1] - first[e], k, hidden, inter, expert_at(gu, e, hidden * 2 * inter),
                  gus ? gus + e * hidden : nullptr, gub + e * 2 * inter, expert_at(dn, e, inter * hidden),
                  dns ? dns + e * inter : nullptr, dnb + e * hidden, alpha, limit, slots);
     }
@@ -275,8 +288,8 @@ std::vector<torch::Tensor> route(torch::Tensor x, torch::Tensor weight, torch::T
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>(), *bp = bias.data_ptr<float>();
   int64_t* ip = indices.data_ptr<int64_t>();
   float* sp = scores.data_ptr<float>();
-  std::vector<float> logits(experts);
-  std::vector<int64_t> order(experts);
+  float* logits = dflash_scratch::buffer<float, struct RouterLogits>(experts);
+  int64_t* order = dflash_scratch::buffer<int64_t, struct RouterOrder>(experts);
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t e = 0; e < experts; ++e) {
       fvec acc{};
@@ -284,7 +297,7 @@ std::vector<torch::Tensor> route(torch::Tensor x, torch::Tensor weight, torch::T
       logits[e] = lane_sum(acc) + bp[e];
       order[e] = e;
     }
-    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int64_t a, int64_t b) {
+    std::partial_sort(order, order + top_k, order + experts, [&](int64_t a, int64_t b) {
       return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
     });
     const float most = logits[order[0]];
@@ -417,22 +430,23 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch:
   auto sizes = x.sizes().vec();
   sizes.back() = out;
   auto y = torch::empty(sizes, x.options());
-  std::vector<const float*> x_rows(rows);
-  std::vector<float*> y_rows(rows);
+  const float** x_rows = dflash_scratch::buffer<const float*, struct LinearInputs>(rows);
+  float** y_rows = dflash_scratch::buffer<float*, struct LinearOutputs>(rows);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
-    x_rows[r] = x.data_ptr<float>() + r * in;
-    y_rows[r] = y.data_ptr<float>() + r * out;
+    x_rows[r] = xp + r * in;
+    y_rows[r] = yp + r * out;
   }
   at::parallel_for(0, out / kTail, 256 / kTail, [&](int64_t first, int64_t last) {
     if (tiles)
-      linear_rows(x_rows.data(), rows, in, dflash_amx::Tiles{static_cast<const uint16_t*>(weight.data_ptr())}, out, bp,
-                  y_rows.data(), first * kTail, last * kTail);
+      linear_rows(x_rows, rows, in, dflash_amx::Tiles{static_cast<const uint16_t*>(weight.data_ptr())}, out, bp, y_rows,
+                  first * kTail, last * kTail);
     else if (pairs)
-      linear_rows(x_rows.data(), rows, in, Bf16Pairs{static_cast<const uint32_t*>(weight.data_ptr())}, out, bp,
-                  y_rows.data(), first * kTail, last * kTail);
+      linear_rows(x_rows, rows, in, Bf16Pairs{static_cast<const uint32_t*>(weight.data_ptr())}, out, bp, y_rows,
+                  first * kTail, last * kTail);
     else
-      linear_rows(x_rows.data(), rows, in, weight.data_ptr<float>(), out, bp, y_rows.data(), first * kTail,
-                  last * kTail);
+      linear_rows(x_rows, rows, in, weight.data_ptr<float>(), out, bp, y_rows, first * kTail, last * kTail);
   });
   return y;
 }
