@@ -266,8 +266,8 @@ def test_the_whole_compiled_step_drafts_what_the_per_call_path_drafts(batch, win
             anchors = torch.randint(2, 250, (batch,), generator=gen)
             drafts, q = proposer.draft(anchors, positions, 3, params, torch.Generator().manual_seed(step))
             steps.append((drafts, q, proposer.confidence))
-            for _ in range(2):  # two steps' commits written alone, as suffix-drafted steps write them: the next
-                # draft then has no committed rows of its own
+            for _ in range(2):  # two steps' commits written alone (`write_pending_context`, as `start` writes the
+                # prompts'): the next draft then has no committed rows of its own
                 proposer.commit(torch.randn(batch, 4, features.shape[-1], generator=gen), torch.tensor(kept))
                 positions = positions + torch.tensor(kept) + 1
             proposer.write_pending_context()

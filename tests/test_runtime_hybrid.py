@@ -213,7 +213,8 @@ def test_a_suffix_draft_limit_short_of_the_block_is_refused(random_pair):
 class ScriptedHybrid(SuffixDFlashProposer):
     """Suffix drafts (whatever the match) for the first `suffix_steps` steps, the drafter afterwards;
     records the drafter's distributions and the committed sequence at the first neural step, and
-    whether the draft cache covered positions [0, anchor) after every suffix-only step (the
+    whether the draft cache covered positions [0, anchor) after every suffix-only step (it must not:
+    their context waits for the drafter's step) and after the first neural one (it must: the
     invariant DFlashProposer documents for its own steps)."""
 
     def __init__(self, dflash, suffix_steps):
@@ -231,6 +232,7 @@ class ScriptedHybrid(SuffixDFlashProposer):
             self.context_current.append(bool((self.dflash.context_lens == anchor_positions).all()))
         if self.seen is None and not any(self.suffix_rows):
             self.seen = ([list(h) for h in history], anchor_positions.clone(), q)
+            self.context_current.append(bool((self.dflash.context_lens == anchor_positions).all()))
         return drafts, q
 
 
@@ -241,7 +243,9 @@ def test_drafter_context_is_complete_after_suffix_only_steps(random_pair):
     params = SamplingParams(max_tokens=30, temperature=1.0)
     scripted = ScriptedHybrid(DFlashProposer(drafter, target), suffix_steps=5)
     ReferenceRuntime(target, scripted).generate(prompts[:3], params, batch_size=3)
-    assert scripted.context_current == [True] * 5  # written on the suffix-only steps, not deferred
+    # the first step's context is the prompts' (written at start); the next four steps' commits wait for the
+    # drafter's step, which writes them all
+    assert scripted.context_current == [True] + [False] * 4 + [True]
     history, positions, q = scripted.seen
     assert (positions >= torch.tensor([len(p) for p in prompts[:3]]) + 5).all()  # the steps committed tokens
     fresh = DFlashProposer(drafter, target)

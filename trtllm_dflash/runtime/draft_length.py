@@ -246,7 +246,8 @@ def measure_step_costs(target, make_proposer, batch: int, most: int, context: in
     `batch` rows and a `context`-token history, per
     source: "neural" = drafter step (context write of 3 committed tokens + the whole block's forward +
     LM head: a drafter step drafts every slot and `truncate` picks how many to verify) + verify of
-    K + 1 tokens; "suffix" = context write + verify (no drafter forward). `make_proposer()`
+    K + 1 tokens; "suffix" = verify alone (no drafter forward; the step's committed tokens wait for the next
+    drafter step's context write, where they cost a few rows more of its first GEMMs). `make_proposer()`
     gives a fresh `DFlashProposer` (its state is scratch here). Medians over `rounds` interleaved rounds,
     made nondecreasing in K."""
     from .accept import greedy_verify_block
@@ -268,10 +269,6 @@ def measure_step_costs(target, make_proposer, batch: int, most: int, context: in
     kept = torch.full((batch,), committed - 1, device=device)
     params, anchors = SamplingParams(), tokens[:, -1]
 
-    def context_write():
-        proposer.commit(new_features, kept)
-        proposer.write_pending_context()
-
     def draft(k):
         proposer.commit(new_features, kept)
         proposer.propose(anchors, proposer.context_lens, [], k, params, generator)
@@ -280,7 +277,7 @@ def measure_step_costs(target, make_proposer, batch: int, most: int, context: in
         greedy_verify_block(target, tokens[:, : k + 1], context + torch.arange(k + 1, device=device).expand(batch, -1),
                             cache, proposer.feature_layers, tokens[:, 1: k + 1])
 
-    calls = [context_write, lambda: draft(most)] + [lambda k=k: verify(k) for k in range(widest + 1)]
-    write, drafted, *verifies = interleaved_medians(calls, rounds)
+    calls = [lambda: draft(most)] + [lambda k=k: verify(k) for k in range(widest + 1)]
+    drafted, *verifies = interleaved_medians(calls, rounds)
     return {"neural": nondecreasing([verifies[0]] + [v + drafted for v in verifies[1: most + 1]]),
-            "suffix": nondecreasing([verifies[0]] + [v + write for v in verifies[1: suffix_most + 1]])}
+            "suffix": nondecreasing(verifies[: suffix_most + 1])}
