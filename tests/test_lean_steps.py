@@ -96,6 +96,33 @@ def test_the_embedded_targets_mxfp4_experts_read_from_each_storage_give_the_same
     assert list(GptOssTarget(random_target(tiny_target_config())).expert_storages) == ["float32"]
 
 
+def test_a_prefill_reads_the_prefill_storage_and_the_decode_keeps_its_own(monkeypatch):
+    """The embedded target decoding from its int8 rows prefills from the AMX tiles where the CPU has them (else from
+    the int8 rows): the prefill's logits are the int8 prefill's to float32 rounding, the same greedy token, and the
+    storage is int8 again for the steps after it."""
+    from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
+    from trtllm_dflash.embedded import pair_paths
+    from trtllm_dflash.runtime.reference import prefill
+
+    target = GptOssTarget(load_hf_gpt_oss(pair_paths()[0]))
+    target.use_expert_storage("int8")
+    assert target.prefill_storage == ("amx" if amx_available() else "int8")
+    prompts = [torch.randint(0, target.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (40, 23)]
+    used = []
+    original = target.use_expert_storage
+    target.use_expert_storage = lambda name: (used.append(name), original(name))[1]
+    with torch.inference_mode():
+        _, logits, features, _ = prefill(target, prompts, [1, 2], 48)
+    assert used == [target.prefill_storage, "int8"] and target.expert_storage == "int8"
+    monkeypatch.setattr(GptOssTarget, "prefill_storage", property(lambda self: "int8"))
+    with torch.inference_mode():
+        _, expected, expected_features, _ = prefill(target, prompts, [1, 2], 48)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(features, expected_features, rtol=1e-5, atol=1e-4)
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_sinks", [True, False])
 def test_fused_attention_equals_sink_attention(with_sinks, dtype):

@@ -49,7 +49,8 @@ def prefill(target: GptOssTarget, prompts: Sequence[Sequence[int]], feature_laye
         tokens[row, : len(prompt)] = torch.tensor(prompt, device=device)
     positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
     cache = target.new_cache(len(prompts), capacity)
-    logits, features = target(tokens, positions, cache, feature_layers, logit_index=lens - 1)
+    with target.reading_experts(target.prefill_storage):  # the same numbers to float32 rounding, sooner
+        logits, features = target(tokens, positions, cache, feature_layers, logit_index=lens - 1)
     return cache, logits, features, lens
 
 
