@@ -76,8 +76,11 @@ def verify_step(target: GptOssTarget, cache, proposer: Proposer | None, anchors:
         drafts, q = proposer.propose(anchors, positions, history, num_drafts, params, generator)
     synchronize(device)
     drafted = time.perf_counter()
-    block = torch.cat([anchors[:, None], drafts], dim=1)
-    block_positions = positions[:, None] + torch.arange(block.shape[1], device=device)
+    if drafts.shape[1]:
+        block = torch.cat([anchors[:, None], drafts], dim=1)
+        block_positions = positions[:, None] + torch.arange(block.shape[1], device=device)
+    else:  # views: each tensor op here runs cold after the last step's weights streamed (docs/benchmarks.md, round 27)
+        block, block_positions = anchors[:, None], positions[:, None]
     feature_layers = proposer.feature_layers if proposer is not None else []
     if params.greedy:
         num_accepted, bonus, features = greedy_verify_block(target, block, block_positions, cache, feature_layers,
