@@ -199,5 +199,5 @@ class ExactGreedyHead:
         `accept.greedy_accept`'s answer on the argmax of the float32 logits."""
         accepted, bonus, recomputed = KERNEL.module().exact_greedy_verify(
             hidden.contiguous(), drafts.contiguous(), self.weight, self.packed, self.scales, self.bias, self.abs_sum)
-        self.recomputed += int(recomputed)
+        self.recomputed += recomputed
         return accepted, bonus

@@ -8,10 +8,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <vector>
+#include <tuple>
 
 #include "dot_gemm.h"
 #include "draft_ops.h"
+#include "../scratch.h"
 
 // Why: a verify's LM head is a [V, H] GEMM over its K + 1 rows that a greedy step reads only to take each row's argmax
 // (up to the first mismatch), and float32 products run at a quarter of int8's rate. The int8 logits a_j are within a
@@ -107,11 +108,11 @@ inline int64_t certified_argmax(const float* x, int64_t n, const float* approx, 
 // and the drafts int64 [b, K], through the LM head W [V, H] float32 (contiguous), its `dot_pack` int8 copy (`packed`,
 // `scales`), its bias float32 [V] or None and `abs_sum` float32 [V] (each row's sum of |W|): per request the drafts
 // accepted (the leading ones equal to the target's argmax after the position before them) and the bonus, each argmax
-// the float32 one (above). -> (num_accepted int64 [b], bonus int64 [b], candidates recomputed int64 []).
-inline std::vector<torch::Tensor> exact_greedy_verify(const torch::Tensor& hidden, const torch::Tensor& drafts,
-                                                      const torch::Tensor& weight, const torch::Tensor& packed,
-                                                      const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias,
-                                                      const torch::Tensor& abs_sum) {
+// the float32 one (above). -> (num_accepted int64 [b], bonus int64 [b], how many candidates were recomputed: a
+// plain integer, not a tensor, to spare every step an allocation and an `item`).
+inline std::tuple<torch::Tensor, torch::Tensor, int64_t> exact_greedy_verify(
+    const torch::Tensor& hidden, const torch::Tensor& drafts, const torch::Tensor& weight, const torch::Tensor& packed,
+    const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias, const torch::Tensor& abs_sum) {
   TORCH_CHECK(hidden.scalar_type() == torch::kFloat32 && hidden.dim() == 3 && hidden.is_contiguous(),
               "hidden must be contiguous float32 [b, K + 1, H]");
   TORCH_CHECK(drafts.scalar_type() == torch::kInt64 && drafts.dim() == 2 && drafts.is_contiguous() &&
@@ -131,11 +132,11 @@ inline std::vector<torch::Tensor> exact_greedy_verify(const torch::Tensor& hidde
   const float *sp = scales.data_ptr<float>(), *asp = abs_sum.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t* dp = drafts.data_ptr<int64_t>();
-  std::vector<float> upper(vocab);
+  float* const upper = dflash_scratch::buffer<float, struct GreedyHeadBounds>(vocab);
   const auto argmax = [&](int64_t row) {
-    return dflash_dot::certified_argmax(hp + row * n, n, ap + row * vocab, wp, asp, sp, bp, vocab, upper.data(),
+    return dflash_dot::certified_argmax(hp + row * n, n, ap + row * vocab, wp, asp, sp, bp, vocab, upper,
                                         &recomputed);
   };
   accept_scan(batch, width, dp, argmax, accepted.data_ptr<int64_t>(), bonus.data_ptr<int64_t>());
-  return {accepted, bonus, torch::tensor(recomputed)};
+  return {accepted, bonus, recomputed};
 }
