@@ -65,9 +65,10 @@ def draft_length(schedule: dict[int, int] | None, batch: int, most: int) -> int:
 
 def verify_step(target: GptOssTarget, cache, proposer: Proposer | None, anchors: torch.Tensor,
                 positions: torch.Tensor, history: list[list[int]], num_drafts: int, params: SamplingParams,
-                generator: torch.Generator, step_times: dict[str, float]
+                generator: torch.Generator, step_times: dict[str, float], offsets: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Draft, verify and accept one block per request -> (drafts [b, K], num_accepted [b], bonus [b])."""
+    """Draft, verify and accept one block per request -> (drafts [b, K], num_accepted [b], bonus [b]). `offsets`:
+    0, 1, ... covering the widest block, made once per batch (an `arange` a step ran cold, round 27)."""
     device = anchors.device
     start = time.perf_counter()
     if num_drafts == 0:
@@ -78,7 +79,7 @@ def verify_step(target: GptOssTarget, cache, proposer: Proposer | None, anchors:
     drafted = time.perf_counter()
     if drafts.shape[1]:
         block = torch.cat([anchors[:, None], drafts], dim=1)
-        block_positions = positions[:, None] + torch.arange(block.shape[1], device=device)
+        block_positions = positions[:, None] + offsets[: block.shape[1]]
     else:  # views: each tensor op here runs cold after the last step's weights streamed (docs/benchmarks.md, round 27)
         block, block_positions = anchors[:, None], positions[:, None]
     feature_layers = proposer.feature_layers if proposer is not None else []
@@ -115,6 +116,7 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
     generator = torch.Generator(device=device).manual_seed(params.seed)
     stops = set(params.stop_token_ids)
     capacity = max(len(p) for p in prompts) + params.max_tokens + block_size
+    offsets = torch.arange(block_size, device=device)
     stats = [RequestStats(block_size) for _ in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]
     # each request's committed tokens, grown in place: a proposer reads only what is new
@@ -181,7 +183,7 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
             num_drafts = draft_length(draft_len_schedule, len(rows), most)
             history = [sequences[r] for r in rows] if num_drafts and sequences is not None else []
             drafts, num_accepted, bonus = verify_step(target, cache, proposer, anchors, positions, history,
-                                                      num_drafts, params, generator, step_times)
+                                                      num_drafts, params, generator, step_times, offsets)
             from_suffix = getattr(proposer, "suffix_rows", None) if num_drafts else None
             drafted = drafts.shape[1] > 0  # the proposer may have chosen none (adaptive draft length)
             for row, (request, a, draft_row, bonus_token) in enumerate(
