@@ -135,7 +135,7 @@ def amx_tiles(weight: torch.Tensor) -> AmxTiles | None:
 class Bf16Pairs:
     """Matrices [..., in, out] held in bf16 two input rows a word (`bf16_pairs`): word [p, c] holds row 2p's weight in
     its low half and row 2p + 1's in its high half, the layout the kernels widen with one load, a shift and a mask
-    (cpu_kernel.cpp `Bf16Pairs`). `matrix()` gives them back in float32, `[e]` matrix e of a stack."""
+    (gemm_tiles.h `Bf16Pairs`). `matrix()` gives them back in float32, `[e]` matrix e of a stack."""
 
     values: torch.Tensor  # int32 [..., in / 2, out]
 
