@@ -21,6 +21,7 @@ import torch
 from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
 from trtllm_dflash.embedded import pair_paths
 from trtllm_dflash.models.target import GptOssTarget
+from trtllm_dflash.plugins.compiled import AMX_VARIABLE
 from trtllm_dflash.plugins.target import cpu as target_cpu
 from trtllm_dflash.runtime.accept import greedy_verify_block
 
@@ -28,15 +29,15 @@ CONTEXT, WIDTHS = 200, (1, 8, 16)
 
 
 def build(amx: bool) -> GptOssTarget:
-    previous = os.environ.get(target_cpu.AMX_VARIABLE)
-    os.environ[target_cpu.AMX_VARIABLE] = "1" if amx else "0"
+    previous = os.environ.get(AMX_VARIABLE)
+    os.environ[AMX_VARIABLE] = "1" if amx else "0"
     try:
         return GptOssTarget(load_hf_gpt_oss(pair_paths()[0], "cpu", torch.float32))
     finally:
         if previous is None:
-            del os.environ[target_cpu.AMX_VARIABLE]
+            del os.environ[AMX_VARIABLE]
         else:
-            os.environ[target_cpu.AMX_VARIABLE] = previous
+            os.environ[AMX_VARIABLE] = previous
 
 
 def main() -> None:

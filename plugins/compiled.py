@@ -14,12 +14,14 @@ import os
 import platform
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 DISABLE_VARIABLE = "TRTLLM_DFLASH_CPU_KERNEL"  # "0": every compiled CPU kernel off
+AMX_VARIABLE = "TRTLLM_DFLASH_AMX"  # "0": no AMX tiles in any kernel (their AVX512 paths), e.g. for an A/B timing
 PLUGINS = Path(__file__).parent  # its headers (vector_math.h, norms.h, each kernel's own) may be included by any source
 
 
@@ -36,11 +38,18 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
-class CompiledKernel:
-    """One C++ source (`source`) built as the extension module `prefix`_<digest>; `what` names it in messages."""
+def amx_wanted() -> bool:
+    """Whether the kernels may use AMX tiles: unless TRTLLM_DFLASH_AMX=0 (the one place that reads it)."""
+    return os.environ.get(AMX_VARIABLE, "1") != "0"
 
-    def __init__(self, source: Path, prefix: str, what: str, fallback: str):
-        self.source, self.prefix, self.what, self.fallback = source, prefix, what, fallback
+
+class CompiledKernel:
+    """One C++ source (`source`) built as the extension module `prefix`_<digest>; `what` names it in messages;
+    `on_load(module)`, if given, runs once the module is loaded (settings the module keeps)."""
+
+    def __init__(self, source: Path, prefix: str, what: str, fallback: str,
+                 on_load: Callable[[ModuleType], None] | None = None):
+        self.source, self.prefix, self.what, self.fallback, self.on_load = source, prefix, what, fallback, on_load
         self.failure: str | None = None
 
     def build_name(self) -> str:
@@ -69,14 +78,17 @@ class CompiledKernel:
             if not (directory / f"{name}.so").is_file():  # the one slow start a machine sees: say so
                 print(f"building the {self.what} in {directory} (once per machine, about 20 s)", file=sys.stderr,
                       flush=True)
-            return load(name, [str(self.source)], extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
-                        build_directory=str(directory), verbose=False)
+            module = load(name, [str(self.source)], extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                          build_directory=str(directory), verbose=False)
         except Exception as exc:  # a missing compiler or ninja surfaces as RuntimeError, OSError, or a build error
             text = str(exc).strip()
             self.failure = f"{type(exc).__name__}: {text.splitlines()[-1] if text else exc}"
             warnings.warn(f"the {self.what} are unavailable ({self.failure}); {self.fallback}", RuntimeWarning,
                           stacklevel=2)
             return None
+        if self.on_load is not None:
+            self.on_load(module)
+        return module
 
     def unavailable_reason(self) -> str | None:
         """Why `module()` returned None (None while it loads, or before it was asked)."""

@@ -19,6 +19,7 @@ from trtllm_dflash.models.random_pair import random_target, tiny_target_config
 from trtllm_dflash.models.kv_cache import KVArena
 from trtllm_dflash.models.rope import rotate
 from trtllm_dflash.models.target import GptOssTarget, causal_mask, routed_experts, sink_attention
+from trtllm_dflash.plugins.compiled import AMX_VARIABLE
 from trtllm_dflash.plugins.target import cpu
 from trtllm_dflash.quant.codecs import mxfp4_decode, mxfp4_encode
 
@@ -429,7 +430,7 @@ def test_amx_experts_equal_the_torch_formulation(tokens, experts, top_k, hidden,
 def test_amx_switched_off_leaves_the_avx512_paths(monkeypatch):
     """TRTLLM_DFLASH_AMX=0: no AMX tiles anywhere (a target then has no "amx" expert storage and its projections
     keep their bf16 pairs), where AMX runs as where it does not."""
-    monkeypatch.setenv(cpu.AMX_VARIABLE, "0")
+    monkeypatch.setenv(AMX_VARIABLE, "0")
     assert not cpu.amx_available() and cpu.amx_tiles(bf16_exact(64, 48, seed=0)) is None
     target = GptOssTarget(random_target(tiny_target_config(), seed=5))
     assert "amx" not in target.expert_storages

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
-from ..compiled import DISABLE_VARIABLE, CompiledKernel
+from ..compiled import DISABLE_VARIABLE, CompiledKernel, amx_wanted
 
 KERNEL = CompiledKernel(Path(__file__).with_name("cpu_kernel.cpp"), "dflash_draft_block_cpu",
-                        "compiled CPU draft-step kernels", "the drafter runs its torch formulation")
+                        "compiled CPU draft-step kernels", "the drafter runs its torch formulation",
+                        on_load=lambda module: module.set_int8_tiles(amx_wanted()))
 
 
 def cpu_kernel():

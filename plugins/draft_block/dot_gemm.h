@@ -31,8 +31,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 
 namespace dflash_dot {
@@ -207,13 +205,10 @@ void multiply(int64_t rows, const uint32_t* x, int64_t words, const uint32_t* w,
 #if defined(DFLASH_AMX_TILES) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define DFLASH_AMX_INT8 1
 
-// Whether `dot_linear` takes the int8 tiles where it can: TRTLLM_DFLASH_AMX=0 in the environment at load (the
-// variable plugins/target/cpu.py reads) or `set_int8_tiles(false)` says no, e.g. for an A/B timing.
+// Whether `dot_linear` takes the int8 tiles where it can: `set_int8_tiles` says, which plugins/draft_block/cpu.py
+// calls as it loads the module (false under TRTLLM_DFLASH_AMX=0) and an A/B timing calls to compare.
 inline bool& int8_tiles_wanted() {
-  static bool wanted = [] {
-    const char* value = std::getenv("TRTLLM_DFLASH_AMX");
-    return value == nullptr || std::string(value) != "0";
-  }();
+  static bool wanted = true;
   return wanted;
 }
 

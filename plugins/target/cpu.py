@@ -11,13 +11,12 @@ numbers are theirs up to float32 summation order (tests/test_target_cpu.py).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..compiled import CompiledKernel
+from ..compiled import CompiledKernel, amx_wanted
 
 KERNEL = CompiledKernel(Path(__file__).with_name("cpu_kernel.cpp"), "dflash_target_cpu",
                         "compiled CPU kernels of the target (MoE, attention)", "the target runs its torch formulations")
@@ -88,14 +87,11 @@ def int8_rows(weight: torch.Tensor) -> RowInt8 | None:
     return RowInt8(tile_major(values.to(torch.int8)), scales)
 
 
-AMX_VARIABLE = "TRTLLM_DFLASH_AMX"  # "0": no AMX tiles (the kernels' AVX512 paths), e.g. for an A/B timing
-
-
 def amx_available() -> bool:
     """Whether the kernels run on AMX tiles here (`amx_gemm.h`: built for a CPU with AMX-BF16, the tiles granted,
     not switched off by TRTLLM_DFLASH_AMX=0)."""
     module = target_kernels()
-    return module is not None and os.environ.get(AMX_VARIABLE, "1") != "0" and module.amx_available()
+    return module is not None and amx_wanted() and module.amx_available()
 
 
 AMX_ROWS = 32  # an AMX-tiled matrix's rows (inputs) come in slices of this many
