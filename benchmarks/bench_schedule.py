@@ -33,7 +33,7 @@ from trtllm_dflash.bench.sweep import InProcessRunner, run_sweep
 from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
 from trtllm_dflash.models.drafter import load_drafter
 from trtllm_dflash.models.target import GptOssTarget
-from trtllm_dflash.runtime.proposers import DFlashProposer
+from trtllm_dflash.runtime.proposers import DFlashProposer, verify_block
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
 
@@ -66,7 +66,8 @@ class OracleProposer:
             kept.append(self.coins[prompt][min(done, len(self.coins[prompt]) - 1), :num_drafts])
         truth = torch.tensor(rows, dtype=anchors.dtype).view(len(anchors), num_drafts)
         kept = torch.stack(kept) if kept else torch.zeros(truth.shape, dtype=torch.bool)
-        return torch.where(kept, truth, (truth + 1) % self.vocab_size).to(anchors.device), None
+        drafts = torch.where(kept, truth, (truth + 1) % self.vocab_size).to(anchors.device)
+        return verify_block(anchors, drafts), None
 
     def commit(self, features, num_accepted):
         self.inner.commit(features, num_accepted)

@@ -12,7 +12,7 @@ import torch
 
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
-from trtllm_dflash.runtime.proposers import DFlashProposer
+from trtllm_dflash.runtime.proposers import DFlashProposer, verify_block
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
 
@@ -52,7 +52,7 @@ class ScriptedProposer(DFlashProposer):
             drafts.append([t if j < self.correct_prefix else (t + 1) % self.target.vocab_size
                            for j, t in enumerate(truth)])
             self.check_caches(row, self.references[request][:s])
-        return torch.tensor(drafts), None
+        return verify_block(anchors, torch.tensor(drafts)), None
 
     def check_caches(self, row, committed):
         """Target K/V and draft context K/V of positions [0, s) equal a fresh computation."""

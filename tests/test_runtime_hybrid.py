@@ -69,10 +69,10 @@ class RecordingHybrid(SuffixDFlashProposer):
         self.widths: list[int] = []
 
     def propose(self, *args):
-        drafts, q = super().propose(*args)
+        block, q = super().propose(*args)
         self.steps.append(list(self.suffix_rows))
-        self.widths.append(drafts.shape[1])
-        return drafts, q
+        self.widths.append(block.shape[1] - 1)
+        return block, q
 
 
 @pytest.fixture(scope="module")
@@ -221,19 +221,23 @@ class ScriptedHybrid(SuffixDFlashProposer):
         super().__init__(dflash, threshold=1)
         self.remaining, self.seen, self.context_current = suffix_steps, None, []
 
-    def suffix_drafts(self, history, num_drafts):
-        drafts = super().suffix_drafts(history, num_drafts)
+    def match(self, history):
+        lengths = super().match(history)
         self.remaining -= 1
-        return [row or [0] * num_drafts for row in drafts] if self.remaining >= 0 else [None] * len(drafts)
+        self.match_lengths = [self.threshold if self.remaining >= 0 else 0] * len(lengths)
+        return self.match_lengths
+
+    def suffix_drafts(self, count):
+        return [index.continuation(count) if index.match_length() else [0] * count for index in self.indexes]
 
     def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
-        drafts, q = super().propose(anchors, anchor_positions, history, num_drafts, params, generator)
+        block, q = super().propose(anchors, anchor_positions, history, num_drafts, params, generator)
         if all(self.suffix_rows):
             self.context_current.append(bool((self.dflash.context_lens == anchor_positions).all()))
         if self.seen is None and not any(self.suffix_rows):
             self.seen = ([list(h) for h in history], anchor_positions.clone(), q)
             self.context_current.append(bool((self.dflash.context_lens == anchor_positions).all()))
-        return drafts, q
+        return block, q
 
 
 def test_drafter_context_is_complete_after_suffix_only_steps(random_pair):
@@ -413,17 +417,17 @@ def test_context_queued_over_steps_without_drafts_survives_rows_leaving(random_p
 
 
 def test_pack_ragged_keeps_each_rows_entries_in_order():
-    """Chunks of ragged rows (each row's first lens[i] valid) pack left-aligned per row, padded with zeros to the
-    longest; a single chunk is cut to its longest row."""
+    """Chunks of ragged rows (entries 0..last[i] of row i valid: a verify's num_accepted) pack left-aligned per row,
+    padded with zeros to the longest; a single chunk is cut to its longest row."""
     from trtllm_dflash.runtime.proposers import pack_ragged
 
     first = torch.tensor([[[1.0], [2.0], [9.0]], [[3.0], [9.0], [9.0]]])  # row 0 keeps 2, row 1 keeps 1
     second = torch.tensor([[[4.0], [9.0]], [[5.0], [6.0]]])  # row 0 keeps 1, row 1 keeps 2
-    out, lens = pack_ragged([(first, torch.tensor([2, 1])), (second, torch.tensor([1, 2]))])
+    out, lens = pack_ragged([(first, torch.tensor([1, 0])), (second, torch.tensor([0, 1]))])
     assert lens.tolist() == [3, 3] and out[..., 0].tolist() == [[1.0, 2.0, 4.0], [3.0, 5.0, 6.0]]
-    out, lens = pack_ragged([(first, torch.tensor([2, 0])), (second, torch.tensor([0, 1]))])
+    out, lens = pack_ragged([(first, torch.tensor([1, -1])), (second, torch.tensor([-1, 0]))])  # -1: none kept
     assert lens.tolist() == [2, 1] and out[..., 0].tolist() == [[1.0, 2.0], [5.0, 0.0]]
-    out, lens = pack_ragged([(first, torch.tensor([2, 1]))])
+    out, lens = pack_ragged([(first, torch.tensor([1, 0]))])
     assert lens.tolist() == [2, 1] and out.shape == (2, 2, 1)
 
 

@@ -76,10 +76,10 @@ def greedy_peak_cpu(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def greedy_verify_cpu(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The greedy accept rule on the verify's float32 logits [b, K + 1, V] and drafts int64 [b, K] in one pass that
-    stops at each request's first mismatch -> (num_accepted int64 [b], bonus int64 [b]), `accept.greedy_accept`'s
-    answer on the logits' argmax."""
-    return tuple(cpu_kernel().greedy_verify(logits.contiguous(), drafts.contiguous()))
+    """The greedy accept rule on the verify's float32 logits [b, K + 1, V] and drafts int64 [b, K] (each row
+    contiguous: a verify block's view [:, 1:] serves) in one pass that stops at each request's first mismatch ->
+    (num_accepted int64 [b], bonus int64 [b]), `accept.greedy_accept`'s answer on the logits' argmax."""
+    return tuple(cpu_kernel().greedy_verify(logits.contiguous(), drafts))
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -167,7 +167,7 @@ class WholeDraftStep:
                  context_lens: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """tokens [b, B] (anchor, mask ids), features [b, n, F] at arena `positions` [b, n] (or a lone request's int
         first position), the `KVArena`, context_lens [b] counting them -> logits [b, B - 1, V] and, when `greedy`,
-        (drafts, their softmax peak) as `greedy_peak_cpu` gives them."""
+        (the verify block [b, B]: the anchors, then the drafts `greedy_peak_cpu` gives; the drafts' softmax peak)."""
         out = self.step.step(tokens, self.embedding, features, *arena_positions(positions), cache.keys, cache.values,
                              context_lens, self.rope, greedy)
         return out[0], (out[1], out[2]) if greedy else None
@@ -196,9 +196,10 @@ class ExactGreedyHead:
         self.recomputed = 0  # float32 logits recomputed, over all calls (how often the bound leaves a doubt)
 
     def __call__(self, hidden: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden float32 [b, K + 1, H] (final-normed), drafts int64 [b, K] -> (num_accepted [b], bonus [b]),
+        """hidden float32 [b, K + 1, H] (final-normed), drafts int64 [b, K] (each row contiguous, as in
+        `greedy_verify_cpu`) -> (num_accepted [b], bonus [b]),
         `accept.greedy_accept`'s answer on the argmax of the float32 logits."""
         accepted, bonus, recomputed = KERNEL.module().exact_greedy_verify(
-            hidden.contiguous(), drafts.contiguous(), self.weight, self.packed, self.scales, self.bias, self.abs_sum)
+            hidden.contiguous(), drafts, self.weight, self.packed, self.scales, self.bias, self.abs_sum)
         self.recomputed += recomputed
         return accepted, bonus

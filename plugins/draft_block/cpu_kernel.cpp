@@ -38,6 +38,21 @@ torch::Tensor context_rope(const torch::Tensor& rope, const c10::optional<torch:
   return rope.narrow(0, start, n).unsqueeze(0).expand({batch, n, 2, rope.size(2)});
 }
 
+// The verify's block [b, B]: each row's anchor (the first column of tokens [b, B]), then its drafts [b, B - 1] (the
+// loop verifies it as it is: no `cat` in Python, an op that runs cold after the drafter's weights streamed).
+torch::Tensor verify_block(const torch::Tensor& tokens, const torch::Tensor& drafts) {
+  const int64_t batch = drafts.size(0), width = drafts.size(1) + 1;
+  auto block = torch::empty({batch, width}, drafts.options());
+  int64_t* out = block.data_ptr<int64_t>();
+  const int64_t* drafted = drafts.data_ptr<int64_t>();
+  const auto anchors = tokens.accessor<int64_t, 2>();
+  for (int64_t r = 0; r < batch; ++r) {
+    out[r * width] = anchors[r][0];
+    std::copy(drafted + r * (width - 1), drafted + (r + 1) * (width - 1), out + r * width + 1);
+  }
+  return block;
+}
+
 }  // namespace
 
 // A drafter step of the lean path (models/drafter.py `compiled_layers`, then the draft logits and greedy drafts) in
@@ -71,8 +86,8 @@ class DraftStep {
   // [b, n, F]: committed tokens' target features (n may be 0), at arena positions `positions` int64 [b, n] or, without
   // them, start, start + 1, ... in every row; keys / values: the draft arena [L, b, Hkv, S, D]; context_lens int64 [b]
   // counting the features (slot j of row i sits at position context_lens[i] + j); rope: `Rotary.table` [P, 2, D],
-  // covering every position. -> logits float32 [b, B - 1, V] of slots 1..B-1 and, with `greedy`, their argmax
-  // (int64 [b, B - 1]) and softmax peak (float32 [b, B - 1]).
+  // covering every position. -> logits float32 [b, B - 1, V] of slots 1..B-1 and, with `greedy`, the verify's block
+  // (int64 [b, B]: the anchors, then the logits' argmaxes) and the argmaxes' softmax peak (float32 [b, B - 1]).
   std::vector<torch::Tensor> step(const torch::Tensor& tokens, const torch::Tensor& embedding,
                                   const torch::Tensor& features, const c10::optional<torch::Tensor>& positions,
                                   int64_t start, const torch::Tensor& keys, const torch::Tensor& values,
@@ -119,8 +134,8 @@ class DraftStep {
     }
     auto logits = gemm(head_, h.view({batch, width, hidden}).narrow(1, 1, width - 1));
     if (!greedy) return {logits};
-    auto drafts = greedy_peak(logits);
-    return {logits, drafts[0], drafts[1]};
+    const auto drafted = greedy_peak(logits);
+    return {logits, verify_block(tokens, drafted[0]), drafted[1]};
   }
 
   // Only the committed tokens' context K/V (a step whose drafts come from elsewhere): `step`'s arguments of the same
@@ -183,6 +198,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<PackedLinear>, std::vector<PackedLinear>, PackedLinear, torch::Tensor, torch::Tensor,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, torch::Tensor, int64_t, int64_t, int64_t, double, double, int64_t>())
-      .def("step", &DraftStep::step, "one drafter step: logits of slots 1..B-1 (and greedy drafts with their peak)")
+      .def("step", &DraftStep::step, "one drafter step: logits of slots 1..B-1 (and the greedy verify block, peaks)")
       .def("write", &DraftStep::write, "the committed tokens' context K/V only");
 }

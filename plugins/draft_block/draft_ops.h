@@ -319,14 +319,23 @@ inline int64_t first_max(const float* row, int64_t vocab, float* most_out) {
   return std::min(index, vocab - 1);
 }
 
-// The greedy accept rule over a verify of `width` = K + 1 rows per request, drafts [batch, K]: argmax(row) gives the
-// target's token of block row `row` (request r's rows are r * width ...), read only up to each request's first mismatch.
+// Drafts int64 [b, K] beside a verify's `batch` x `width` = K + 1 rows (`beside` names that tensor in the error),
+// each row's K contiguous, rows any distance apart: the drafts of a verify block [b, K + 1] are its view [:, 1:].
+inline void check_drafts(const torch::Tensor& drafts, int64_t batch, int64_t width, const char* beside) {
+  TORCH_CHECK(drafts.scalar_type() == torch::kInt64 && drafts.dim() == 2 && drafts.size(0) == batch &&
+                  drafts.size(1) + 1 == width && (drafts.size(1) < 2 || drafts.stride(1) == 1),
+              "drafts must be int64 [b, K], each row contiguous, beside ", beside);
+}
+
+// The greedy accept rule over a verify of `width` = K + 1 rows per request, drafts [batch, K] with rows
+// `drafts_stride` apart: argmax(row) gives the target's token of block row `row` (request r's rows are r * width ...),
+// read only up to each request's first mismatch.
 template <typename Argmax>
-void accept_scan(int64_t batch, int64_t width, const int64_t* drafts, Argmax argmax, int64_t* accepted,
-                 int64_t* bonus) {
+void accept_scan(int64_t batch, int64_t width, const int64_t* drafts, int64_t drafts_stride, Argmax argmax,
+                 int64_t* accepted, int64_t* bonus) {
   for (int64_t r = 0; r < batch; ++r) {
     int64_t j = 0, token = argmax(r * width);
-    while (j + 1 < width && token == drafts[r * (width - 1) + j]) {
+    while (j + 1 < width && token == drafts[r * drafts_stride + j]) {
       ++j;
       token = argmax(r * width + j);
     }
@@ -335,20 +344,19 @@ void accept_scan(int64_t batch, int64_t width, const int64_t* drafts, Argmax arg
   }
 }
 
-// The greedy accept rule on the verify's logits [b, K + 1, V] (float32, contiguous) and the drafts int64 [b, K]:
-// per request, the drafts accepted (the leading ones equal to the target's argmax after the position before them)
-// and the bonus (the target's argmax at the first mismatch, or after the last draft). Rows past a request's first
-// mismatch are not read. -> (num_accepted int64 [b], bonus int64 [b]).
+// The greedy accept rule on the verify's logits [b, K + 1, V] (float32, contiguous) and the drafts int64 [b, K]
+// (`check_drafts`): per request, the drafts accepted (the leading ones equal to the target's argmax after the position
+// before them) and the bonus (the target's argmax at the first mismatch, or after the last draft). Rows past a
+// request's first mismatch are not read. -> (num_accepted int64 [b], bonus int64 [b]).
 inline std::vector<torch::Tensor> greedy_verify(torch::Tensor logits, torch::Tensor drafts) {
   TORCH_CHECK(logits.scalar_type() == torch::kFloat32 && logits.dim() == 3, "logits must be float32 [b, K + 1, V]");
-  TORCH_CHECK(drafts.scalar_type() == torch::kInt64 && drafts.dim() == 2 && drafts.is_contiguous() &&
-                  drafts.size(0) == logits.size(0) && drafts.size(1) + 1 == logits.size(1),
-              "drafts must be contiguous int64 [b, K] beside logits [b, K + 1, V]");
+  check_drafts(drafts, logits.size(0), logits.size(1), "logits [b, K + 1, V]");
   const int64_t batch = logits.size(0), width = logits.size(1), vocab = logits.size(2);
   const float* lp = rows_of<float>(logits, vocab, "logits");
   auto accepted = torch::empty({batch}, drafts.options()), bonus = torch::empty({batch}, drafts.options());
   float most;
-  accept_scan(batch, width, drafts.data_ptr<int64_t>(), [&](int64_t row) { return first_max(lp + row * vocab, vocab, &most); },
+  accept_scan(batch, width, drafts.data_ptr<int64_t>(), drafts.stride(0),
+              [&](int64_t row) { return first_max(lp + row * vocab, vocab, &most); },
               accepted.data_ptr<int64_t>(), bonus.data_ptr<int64_t>());
   return {accepted, bonus};
 }

@@ -105,19 +105,17 @@ inline int64_t certified_argmax(const float* x, int64_t n, const float* approx, 
 }  // namespace dflash_dot
 
 // The greedy accept rule of a verify from the target's final-normed hidden states [b, K + 1, H] (float32, contiguous)
-// and the drafts int64 [b, K], through the LM head W [V, H] float32 (contiguous), its `dot_pack` int8 copy (`packed`,
-// `scales`), its bias float32 [V] or None and `abs_sum` float32 [V] (each row's sum of |W|): per request the drafts
-// accepted (the leading ones equal to the target's argmax after the position before them) and the bonus, each argmax
-// the float32 one (above). -> (num_accepted int64 [b], bonus int64 [b], how many candidates were recomputed: a
-// plain integer, not a tensor, to spare every step an allocation and an `item`).
+// and the drafts int64 [b, K] (`check_drafts`), through the LM head W [V, H] float32 (contiguous), its `dot_pack`
+// int8 copy (`packed`, `scales`), its bias float32 [V] or None and `abs_sum` float32 [V] (each row's sum of |W|): per
+// request the drafts accepted (the leading ones equal to the target's argmax after the position before them) and the
+// bonus, each argmax the float32 one (above). -> (num_accepted int64 [b], bonus int64 [b], how many candidates were
+// recomputed: a plain integer, not a tensor, to spare every step an allocation and an `item`).
 inline std::tuple<torch::Tensor, torch::Tensor, int64_t> exact_greedy_verify(
     const torch::Tensor& hidden, const torch::Tensor& drafts, const torch::Tensor& weight, const torch::Tensor& packed,
     const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias, const torch::Tensor& abs_sum) {
   TORCH_CHECK(hidden.scalar_type() == torch::kFloat32 && hidden.dim() == 3 && hidden.is_contiguous(),
               "hidden must be contiguous float32 [b, K + 1, H]");
-  TORCH_CHECK(drafts.scalar_type() == torch::kInt64 && drafts.dim() == 2 && drafts.is_contiguous() &&
-                  drafts.size(0) == hidden.size(0) && drafts.size(1) + 1 == hidden.size(1),
-              "drafts must be contiguous int64 [b, K] beside hidden [b, K + 1, H]");
+  check_drafts(drafts, hidden.size(0), hidden.size(1), "hidden [b, K + 1, H]");
   const int64_t batch = hidden.size(0), width = hidden.size(1), n = hidden.size(2);
   TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 2 && weight.is_contiguous() &&
                   weight.size(1) == n, "weight must be contiguous float32 [V, H]");
@@ -137,6 +135,6 @@ inline std::tuple<torch::Tensor, torch::Tensor, int64_t> exact_greedy_verify(
     return dflash_dot::certified_argmax(hp + row * n, n, ap + row * vocab, wp, asp, sp, bp, vocab, upper,
                                         &recomputed);
   };
-  accept_scan(batch, width, dp, argmax, accepted.data_ptr<int64_t>(), bonus.data_ptr<int64_t>());
+  accept_scan(batch, width, dp, drafts.stride(0), argmax, accepted.data_ptr<int64_t>(), bonus.data_ptr<int64_t>());
   return {accepted, bonus, recomputed};
 }

@@ -61,6 +61,7 @@ class AcceptanceEstimate:
     prior_weight: float = 1.0  # pseudo-trials of the prior
     accepted: list[float] = field(init=False)
     trials: list[float] = field(init=False)
+    expected: list[float] | None = field(init=False, default=None)  # `expected_tokens` until the next `observe`
 
     def __post_init__(self) -> None:
         self.accepted, self.trials = [0.0] * self.most, [0.0] * self.most
@@ -71,6 +72,7 @@ class AcceptanceEstimate:
 
     def observe(self, num_drafts: int, num_accepted: list[int]) -> None:
         """One step: each row verified `num_drafts` drafts and kept the first num_accepted[row]."""
+        self.expected = None
         self.accepted = [a * self.decay for a in self.accepted]
         self.trials = [t * self.decay for t in self.trials]
         for kept in num_accepted:
@@ -79,12 +81,15 @@ class AcceptanceEstimate:
                 self.accepted[position] += position < kept
 
     def expected_tokens(self) -> list[float]:
-        """[K] -> expected committed tokens of a step with K drafts (the bonus token included)."""
-        expected, survive = [1.0], 1.0
-        for rate in self.rates():
-            survive *= rate
-            expected.append(expected[-1] + survive)
-        return expected
+        """[K] -> expected committed tokens of a step with K drafts (the bonus token included). Kept until the next
+        `observe` (every step asks, and most buckets did not move since): the caller must not change the list."""
+        if self.expected is None:
+            expected, survive = [1.0], 1.0
+            for rate in self.rates():
+                survive *= rate
+                expected.append(expected[-1] + survive)
+            self.expected = expected
+        return self.expected
 
 
 @dataclass
@@ -171,7 +176,13 @@ class AdaptiveDraftLength:
 
     def expected_tokens(self, source: str, keys: Sequence[float] | None) -> list[float]:
         """[K] -> expected committed tokens of a step, summed over its rows (one row where `keys` is None)."""
-        rows = [self.estimates[source][b].expected_tokens() for b in self.buckets(source, keys)]
+        return self.summed_expected(source, self.buckets(source, keys))
+
+    def summed_expected(self, source: str, buckets: list[int]) -> list[float]:
+        """`expected_tokens` of rows in these buckets of `source`'s estimates."""
+        if len(buckets) == 1:  # a lone request: its bucket's own list, not a copy
+            return self.estimates[source][buckets[0]].expected_tokens()
+        rows = [self.estimates[source][b].expected_tokens() for b in buckets]
         return [sum(column) for column in zip(*rows)]
 
     def choose(self, source: str, most: int, keys: Sequence[float] | None = None) -> int:
@@ -179,12 +190,13 @@ class AdaptiveDraftLength:
         if most <= self.least:
             self.chosen[source].append(most)
             return most
-        expected, cost = self.expected_tokens(source, keys), self.costs[source]
+        buckets, cost = self.buckets(source, keys), self.costs[source]
+        value = [e / c for e, c in zip(self.summed_expected(source, buckets), cost[: most + 1])]
 
         def best(least: int) -> int:
-            return max(range(least, most + 1), key=lambda k: expected[k] / cost[k])
+            return max(range(least, most + 1), key=value.__getitem__)
         k = best(self.least)
-        idle = (source, tuple(sorted(set(self.buckets(source, keys)))))
+        idle = (source, tuple(sorted(set(buckets))))
         if k == 0:
             self.idle[idle] = self.idle.get(idle, 0) + 1
             probe = best(1)
@@ -221,6 +233,9 @@ class AdaptiveDraftLength:
         if not (num_drafts and num_accepted):
             return
         buckets = self.buckets(source, keys, len(num_accepted))
+        if len(buckets) == 1:  # a lone request
+            self.estimates[source][buckets[0]].observe(num_drafts, num_accepted)
+            return
         for bucket in sorted(set(buckets)):
             self.estimates[source][bucket].observe(num_drafts, [a for a, b in zip(num_accepted, buckets) if b == bucket])
 

@@ -34,10 +34,11 @@ class Proposer(Protocol):
     def propose(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, history: list[list[int]],
                 num_drafts: int, params: SamplingParams, generator: torch.Generator
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> draft tokens [b, num_drafts] and, when sampling, the distributions they were drawn from
-        [b, num_drafts, V] (None means the drafts are deterministic: q is one-hot). `history` holds
-        each request's committed tokens (prompt, outputs, anchor last): the loop's own lists, grown
-        in place from step to step, so a proposer can read just the new tail (never modify them)."""
+        """-> the block to verify, int64 [b, 1 + K] with K <= num_drafts: each row's anchor, then its drafts (the
+        proposer builds it: a `cat` of anchors and drafts, as the loop did, ran cold every step); and, when sampling,
+        the distributions the drafts were drawn from [b, K, V] (None means the drafts are deterministic: q is
+        one-hot). `history` holds each request's committed tokens (prompt, outputs, anchor last): the loop's own
+        lists, grown in place from step to step, so a proposer can read just the new tail (never modify them)."""
         ...
 
     def commit(self, features: torch.Tensor | None, num_accepted: torch.Tensor) -> None:
@@ -103,7 +104,8 @@ class DFlashProposer:
         self.whole_step = None if self.head is None else self.drafter.whole_step(
             self.plan, self.head, self.target.hf.model.embed_tokens.weight, capacity)
         self.context_lens = torch.zeros_like(prompt_lens)
-        self.pending = [(features, prompt_lens.clone())]  # chunks (features [b, w, F], valid per row [b]), `pack_ragged`
+        # chunks (features [b, w, F], the last valid entry per row [b]), `pack_ragged`
+        self.pending = [(features, prompt_lens - 1)]
         self.no_features = features[:, :0]
         self.columns = torch.arange(capacity, device=device)
         self.block = torch.full((batch, self.block_size), self.mask_token_id, dtype=torch.long, device=device)
@@ -113,17 +115,21 @@ class DFlashProposer:
         """The queued committed positions' features and their arena positions (`write_context`'s), the queue
         emptied and `context_lens` advanced past them; and a lone request's anchor position (its context
         length after them; None for a batch)."""
-        lone = len(self.context_lens) == 1
+        if len(self.context_lens) == 1:  # a lone request: each chunk's entries a prefix, one span after its context
+            counts = [int(last) + 1 for _, last in self.pending]  # plain slices: `pack_ragged` took ~10 ops
+            pieces = [features[:, :n] for (features, _), n in zip(self.pending, counts)]
+            features = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0] if pieces else self.no_features
+            start = int(self.context_lens)
+            self.context_lens += features.shape[1]
+            self.pending = []
+            return features, start, start + features.shape[1]
         features, lens = pack_ragged(self.pending) if self.pending else (self.no_features, torch.zeros_like(self.context_lens))
-        if lone:  # a lone request's positions follow its context: one span
-            positions = int(self.context_lens[0])
-        else:  # A row's entries past its own pending length are padding: they land past its context, where
-            # nothing reads them before they are overwritten; the clamp keeps them inside the arena.
-            positions = (self.context_lens[:, None] + self.columns[: features.shape[1]]).clamp_(max=self.cache.capacity - 1)
+        # A row's entries past its own pending length are padding: they land past its context, where nothing reads
+        # them before they are overwritten; the clamp keeps them inside the arena.
+        positions = (self.context_lens[:, None] + self.columns[: features.shape[1]]).clamp_(max=self.cache.capacity - 1)
         self.context_lens += lens
         self.pending = []
-        # a lone request's queue is exactly its pending length wide
-        return features, positions, positions + features.shape[1] if lone else None
+        return features, positions, None
 
     def write_pending_context(self) -> None:
         """Write the queued context K/V now (the prompts' at `start`; a drafter step writes the committed tokens'
@@ -139,29 +145,31 @@ class DFlashProposer:
     def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
         drafting = num_drafts > 0 if self.policy is None else self.policy.choose("neural", num_drafts) > 0
         if not drafting:  # an autoregressive step: the queued context waits for the next draft
-            return anchors.new_zeros(len(anchors), 0), None
-        drafts, q = self.draft(anchors, anchor_positions, num_drafts, params, generator)
+            return anchors[:, None], None
+        block, q = self.draft(anchors, anchor_positions, num_drafts, params, generator)
         if self.policy is not None:  # the whole block is drafted; its confidences say how much to verify
-            drafts, q = self.keep_first(self.policy.truncate(self.confidence.tolist(), num_drafts), drafts, q)
-        return drafts, q
+            block, q = self.keep_first(self.policy.truncate(self.confidence.tolist(), num_drafts), block, q)
+        return block, q
 
-    def keep_first(self, k: int, drafts: torch.Tensor,
+    def keep_first(self, k: int, block: torch.Tensor,
                    q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The first k of a drafted block's drafts, their distributions and `confidence`: what the step verifies."""
+        """A drafted verify block with its first k drafts, their distributions and `confidence`: what the step
+        verifies."""
         self.confidence = self.confidence[:, :k]
-        return drafts[:, :k], None if q is None else q[:, :k]
+        return block[:, : k + 1], None if q is None else q[:, :k]
 
     def draft(self, anchors, anchor_positions, num_drafts, params, generator):
-        """One drafter step: `num_drafts` drafts per row and, when sampling, their distributions. With
-        `keep_confidence`, `confidence` [b, num_drafts] is the peak of each draft's distribution (the
-        greedy draft's probability): a function of the distributions, never of the tokens drawn from
-        them, so a K chosen by it keeps rejection sampling exact (one chosen by the drawn token's own
+        """One drafter step: the verify block with `num_drafts` drafts per row and, when sampling, their
+        distributions. With `keep_confidence`, `confidence` [b, num_drafts] is the peak of each draft's
+        distribution (the greedy draft's probability): a function of the distributions, never of the tokens drawn
+        from them, so a K chosen by it keeps rejection sampling exact (one chosen by the drawn token's own
         probability would not: the drafts it keeps would no longer be distributed as q)."""
         features, context_positions, lone_anchor = self.take_pending()
         width = num_drafts + 1
         block = self.block[:, :width]
         block[:, 0] = anchors
-        if self.whole_step is not None:  # one compiled call
+        greedy = None  # when greedy and compiled: (the verify block, the drafts' confidences)
+        if self.whole_step is not None:  # one compiled call, which hands the verify block back whole
             logits, greedy = self.whole_step(block, features, context_positions, self.cache, self.context_lens,
                                              params.greedy)
         else:
@@ -169,22 +177,23 @@ class DFlashProposer:
             hidden = self.drafter(self.target.embed(block), positions, self.cache, self.context_lens, self.matmul_dtype,
                                   context=(features, context_positions), plan=self.plan)
             logits = self.draft_logits(hidden[:, 1:])
-            # one pass instead of two or three ops
-            greedy = greedy_peak_cpu(logits) if params.greedy and self.plan.compiled and serves(logits) else None
+            if params.greedy and self.plan.compiled and serves(logits):  # one pass instead of two or three ops
+                tokens, peak = greedy_peak_cpu(logits)
+                greedy = verify_block(anchors, tokens), peak
         if greedy is not None:
-            tokens, peak = greedy
+            verified, peak = greedy
             if self.keep_confidence:
                 self.confidence = peak
-            return tokens, None
+            return verified, None
         if params.greedy:
             if self.keep_confidence:
                 self.confidence = torch.softmax(logits, dim=-1).amax(dim=-1)
-            return greedy_tokens(logits), None
+            return verify_block(anchors, greedy_tokens(logits)), None
         q = probabilities(logits, params)
         if self.keep_confidence:
             self.confidence = q.amax(dim=-1)
         uniforms = torch.rand(q.shape[:-1], generator=generator, device=q.device)
-        return sample_from_probs(q, uniforms), q
+        return verify_block(anchors, sample_from_probs(q, uniforms)), q
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float logits [b, K, V] of the drafter's final-normed hidden states [b, K, H]."""
@@ -195,30 +204,38 @@ class DFlashProposer:
     def commit(self, features, num_accepted):
         """Queue the committed positions' features; usually the queue is empty (one step's worth),
         but steps without drafting (draft length 0 under load) let it grow until the next draft: as a list of
-        chunks, packed once when taken, since re-packing it every step cost 7% of such a step at batch 4."""
+        chunks, packed once when taken, since re-packing it every step cost 7% of such a step at batch 4. A chunk
+        keeps num_accepted as it is, the index of its rows' last committed entry: the count, num_accepted + 1, an
+        op that ran cold every step, is made once when the queue is taken (`pack_ragged`)."""
         if self.policy is not None:
             kept = num_accepted.tolist()
             self.policy.observe("neural", features.shape[1] - 1, kept)
             if features.shape[1] > 1:  # a step that verified drafts (the drafter's)
                 self.policy.calibration.observe(self.confidence.tolist(), kept)
-        self.pending.append((features, num_accepted + 1))
+        self.pending.append((features, num_accepted))
 
     def keep_rows(self, rows):
         self.cache.keep_rows(rows)
         self.context_lens, self.no_features = self.context_lens[rows], self.no_features[rows]
-        self.pending = [(features[rows], lens[rows]) for features, lens in self.pending]
+        self.pending = [(features[rows], last[rows]) for features, last in self.pending]
         self.block = self.block[rows]
 
 
+def verify_block(anchors: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """The block a step verifies: anchors [b], then drafts [b, K] -> [b, 1 + K]."""
+    return torch.cat([anchors[:, None], drafts], dim=1)
+
+
 def pack_ragged(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunks (features [b, w, F], lens [b]: the first lens[i] of row i are valid), in order -> row i of the
+    """Chunks (features [b, w, F], last [b]: entries 0..last[i] of row i are valid), in order -> row i of the
     result holds its valid entries of every chunk, left-aligned and padded to the longest row; and their counts."""
     if len(chunks) == 1:
-        features, lens = chunks[0]
-        return features[:, : int(lens.max())], lens.clone()
+        features, last = chunks[0]
+        lens = last + 1
+        return features[:, : int(lens.max())], lens
     features = torch.cat([f for f, _ in chunks], dim=1)
     device = features.device
-    valid = torch.cat([torch.arange(f.shape[1], device=device) < n[:, None] for f, n in chunks], dim=1)
+    valid = torch.cat([torch.arange(f.shape[1], device=device) <= n[:, None] for f, n in chunks], dim=1)
     lens = valid.sum(dim=1)
     out = features.new_zeros(features.shape[0], int(lens.max()), features.shape[2])
     columns = valid.cumsum(dim=1) - 1
@@ -252,8 +269,8 @@ class NGramProposer:
         return [sequence[-1]] * k
 
     def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
-        drafts = [self.lookup(sequence, num_drafts) for sequence in history]
-        return torch.tensor(drafts, dtype=anchors.dtype, device=anchors.device).view(len(anchors), num_drafts), None
+        block = [[sequence[-1]] + self.lookup(sequence, num_drafts) for sequence in history]  # the anchor is last
+        return torch.tensor(block, dtype=anchors.dtype, device=anchors.device), None
 
     def commit(self, features, num_accepted):
         pass
@@ -323,45 +340,53 @@ class SuffixDFlashProposer:
         self.dflash.start(features, prompt_lens, capacity)
         self.indexes = [SuffixIndex() for _ in range(len(prompt_lens))]
 
-    def suffix_drafts(self, history: list[list[int]], num_drafts: int) -> list[list[int] | None]:
-        """Per row: the suffix match's continuation, or None where the match is shorter than the threshold."""
-        drafts, self.match_lengths = [], []
+    def match(self, history: list[list[int]]) -> list[int]:
+        """Each row's index brought up to its committed tokens (only what is new since the last step) -> each row's
+        suffix match length, also kept as `match_lengths`."""
+        lengths = []
         for index, sequence in zip(self.indexes, history):
-            index.extend(sequence[len(index):])  # only what was committed since the last step
-            self.match_lengths.append(index.match_length())
-            drafts.append(index.continuation(num_drafts) if self.match_lengths[-1] >= self.threshold else None)
-        return drafts
+            index.extend(sequence[len(index):])
+            lengths.append(index.match_length())
+        self.match_lengths = lengths
+        return lengths
+
+    def suffix_drafts(self, count: int) -> list[list[int] | None]:
+        """Per row of the last `match`: its match's next `count` tokens, or None where the match is shorter than the
+        threshold. Asked only once the step's K is known: most steps need fewer than the longest draft, and a step
+        without drafts none (the hybrid's per-step Python cost ~10% of the loop's time, round 28)."""
+        return [index.continuation(count) if length >= self.threshold else None
+                for index, length in zip(self.indexes, self.match_lengths)]
 
     def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
-        matched = self.suffix_drafts(history, num_drafts)
-        self.suffix_rows = [row is not None for row in matched]
+        lengths = self.match(history)
+        self.suffix_rows = [length >= self.threshold for length in lengths]
         everyone = all(self.suffix_rows)
         if self.policy is not None:
-            chosen = (self.policy.choose("suffix", num_drafts, self.match_lengths) if everyone
+            chosen = (self.policy.choose("suffix", num_drafts, lengths) if everyone
                       else self.policy.choose("neural", num_drafts))
             # a suffix step verifies what the policy chose; a drafter step drafts the whole block and
             # verifies what its drafts' confidences say (`truncate`)
             num_drafts = chosen if everyone or chosen == 0 else num_drafts
         if num_drafts == 0:  # an autoregressive step (the policy's choice)
-            self.suffix_rows = [False] * len(matched)
-            return anchors.new_zeros(len(anchors), 0), None
-        if not everyone:  # the drafter's block bounds a step it drafts
-            num_drafts = min(num_drafts, self.dflash.num_drafts)
-        matched = [None if row is None else row[:num_drafts] for row in matched]
+            self.suffix_rows = [False] * len(lengths)
+            return anchors[:, None], None
         if everyone:  # the committed tokens' context K/V wait for the next drafter step (see the class docstring)
-            return torch.tensor(matched, dtype=anchors.dtype, device=anchors.device), None
-        drafts, q = self.dflash.propose(anchors, anchor_positions, history, num_drafts, params, generator)
+            block = [[sequence[-1]] + row for sequence, row in zip(history, self.suffix_drafts(num_drafts))]
+            return torch.tensor(block, dtype=anchors.dtype, device=anchors.device), None  # the anchors are last
+        num_drafts = min(num_drafts, self.dflash.num_drafts)  # the drafter's block bounds a step it drafts
+        block, q = self.dflash.propose(anchors, anchor_positions, history, num_drafts, params, generator)
         if any(self.suffix_rows):
+            matched = self.suffix_drafts(num_drafts)
             rows = torch.tensor([i for i, row in enumerate(matched) if row is not None], device=anchors.device)
-            suffix = torch.tensor([row for row in matched if row is not None], dtype=drafts.dtype, device=drafts.device)
-            drafts[rows] = suffix
+            suffix = torch.tensor([row for row in matched if row is not None], dtype=block.dtype, device=block.device)
+            block[rows, 1:] = suffix
             if q is not None:
                 q[rows] = torch.nn.functional.one_hot(suffix, q.shape[-1]).to(q.dtype)
         if self.policy is not None:
             confidence = self.dflash.confidence.tolist()
             k = self.policy.truncate([confidence[i] for i in self.neural_rows()], num_drafts, self.suffix_keys())
-            drafts, q = self.dflash.keep_first(k, drafts, q)
-        return drafts, q
+            block, q = self.dflash.keep_first(k, block, q)
+        return block, q
 
     def neural_rows(self) -> list[int]:
         """The rows whose drafts in the last `propose` came from the drafter."""
@@ -372,13 +397,14 @@ class SuffixDFlashProposer:
         return [length for length, suffix in zip(self.match_lengths, self.suffix_rows) if suffix]
 
     def commit(self, features, num_accepted):
-        if self.policy is not None:
-            kept = num_accepted.tolist()
-            suffix = [a for a, row in zip(kept, self.suffix_rows) if row]
-            self.policy.observe("suffix", features.shape[1] - 1, suffix, self.suffix_keys())
-            self.policy.observe("neural", features.shape[1] - 1, [a for a, row in zip(kept, self.suffix_rows) if not row])
-            if features.shape[1] > 1 and not all(self.suffix_rows):  # the drafter's step
+        drafts = features.shape[1] - 1
+        if self.policy is not None and drafts:  # a step without drafts observes nothing
+            kept, rows = num_accepted.tolist(), self.suffix_rows
+            if any(rows):
+                self.policy.observe("suffix", drafts, [a for a, row in zip(kept, rows) if row], self.suffix_keys())
+            if not all(rows):  # the drafter's step
                 neural, confidence = self.neural_rows(), self.dflash.confidence.tolist()
+                self.policy.observe("neural", drafts, [kept[i] for i in neural])
                 self.policy.calibration.observe([confidence[i] for i in neural], [kept[i] for i in neural])
         self.dflash.commit(features, num_accepted)
 

@@ -72,16 +72,14 @@ def verify_step(target: GptOssTarget, cache, proposer: Proposer | None, anchors:
     device = anchors.device
     start = time.perf_counter()
     if num_drafts == 0:
-        drafts, q = anchors.new_zeros(len(anchors), 0), None
-    else:
-        drafts, q = proposer.propose(anchors, positions, history, num_drafts, params, generator)
+        block, q = anchors[:, None], None
+    else:  # the proposer hands over the whole block: a `cat` here ran cold after the last step's weights streamed
+        block, q = proposer.propose(anchors, positions, history, num_drafts, params, generator)
     synchronize(device)
     drafted = time.perf_counter()
-    if drafts.shape[1]:
-        block = torch.cat([anchors[:, None], drafts], dim=1)
-        block_positions = positions[:, None] + offsets[: block.shape[1]]
-    else:  # views: each tensor op here runs cold after the last step's weights streamed (docs/benchmarks.md, round 27)
-        block, block_positions = anchors[:, None], positions[:, None]
+    drafts = block[:, 1:]
+    # a view without drafts: each tensor op here runs cold (docs/benchmarks.md, round 27)
+    block_positions = positions[:, None] + offsets[: block.shape[1]] if drafts.shape[1] else positions[:, None]
     feature_layers = proposer.feature_layers if proposer is not None else []
     if params.greedy:
         num_accepted, bonus, features = greedy_verify_block(target, block, block_positions, cache, feature_layers,
