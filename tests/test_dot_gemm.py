@@ -241,6 +241,8 @@ def test_the_exact_greedy_head_takes_the_float32_argmax(batch, drafts, groups, i
     got = head(hidden, draft_tokens)
     expected = float32_greedy(hidden, draft_tokens, weight, bias)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), (got, expected)
+    block = torch.cat([tokens[:, :1], draft_tokens], dim=1)  # the drafts as the loop hands them: a block's view
+    assert all(torch.equal(g, e) for g, e in zip(head(hidden, block[:, 1:]), expected))
     assert head.recomputed >= 1  # at least the first row's winner and its rival
 
 

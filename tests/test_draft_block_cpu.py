@@ -143,11 +143,15 @@ def test_greedy_verify_is_argmax_and_the_accept_rule(batch, drafts, vocab, seed)
     got = cpu.greedy_verify_cpu(logits, draft_tokens)
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
     assert all(torch.equal(g, e) for g, e in zip(greedy_accept_logits(draft_tokens, logits), expected))
+    block = torch.cat([target[:, :1], draft_tokens], dim=1)  # the drafts as the loop hands them: a block's view
+    assert all(torch.equal(g, e) for g, e in zip(cpu.greedy_verify_cpu(logits, block[:, 1:]), expected))
 
 
 def test_greedy_verify_refuses_what_it_does_not_take():
     with pytest.raises(RuntimeError, match="drafts"):
         cpu.greedy_verify_cpu(torch.randn(2, 4, 16), torch.zeros(2, 2, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="each row contiguous"):  # a row's drafts strided
+        cpu.greedy_verify_cpu(torch.randn(3, 4, 16), torch.zeros(3, 3, dtype=torch.int64).t())
     with pytest.raises(RuntimeError, match="float32"):
         cpu.greedy_verify_cpu(torch.randn(2, 4, 16).double(), torch.zeros(2, 3, dtype=torch.int64))
 
@@ -234,8 +238,8 @@ def test_greedy_drafts_and_their_confidence_match_the_torch_path():
 def test_the_whole_compiled_step_drafts_what_the_per_call_path_drafts(batch, window, greedy, dtype, monkeypatch):
     """A drafter step in one compiled call (`WholeDraftStep`, every GEMM the bf16 or int8 dot kernel) from the same
     state as the per-call compiled path, over steps that commit 1-4 tokens, steps that only write the committed
-    tokens' context (as a suffix-drafted step does; the prompts' too) and a window that cuts: the same drafts,
-    confidences and sampling distributions, and the same context K/V in the arena."""
+    tokens' context (as a suffix-drafted step does; the prompts' too) and a window that cuts: the same verify blocks
+    (the anchors, then the drafts), confidences and sampling distributions, and the same context K/V in the arena."""
     if cpu.dot_kernel(dtype) is None:
         pytest.skip(f"no {dtype} dot GEMM here")
     config = tiny_target_config(vocab_size=272)  # widths the dot GEMM takes (multiples of 16 out, 32 in)
@@ -264,8 +268,9 @@ def test_the_whole_compiled_step_drafts_what_the_per_call_path_drafts(batch, win
         gen, steps, positions = torch.Generator().manual_seed(8), [], lens.clone()
         for step, kept in enumerate(accepted):
             anchors = torch.randint(2, 250, (batch,), generator=gen)
-            drafts, q = proposer.draft(anchors, positions, 3, params, torch.Generator().manual_seed(step))
-            steps.append((drafts, q, proposer.confidence))
+            block, q = proposer.draft(anchors, positions, 3, params, torch.Generator().manual_seed(step))
+            assert block.shape == (batch, 4) and torch.equal(block[:, 0], anchors)
+            steps.append((block, q, proposer.confidence))
             for _ in range(2):  # two steps' commits written alone (`write_pending_context`, as `start` writes the
                 # prompts'): the next draft then has no committed rows of its own
                 proposer.commit(torch.randn(batch, 4, features.shape[-1], generator=gen), torch.tensor(kept))
@@ -274,8 +279,8 @@ def test_the_whole_compiled_step_drafts_what_the_per_call_path_drafts(batch, win
         return steps, proposer.cache
 
     (whole_steps, whole_cache), (steps, cache) = run(True), run(False)
-    for (drafts, q, confidence), (expected_drafts, expected_q, expected_confidence) in zip(whole_steps, steps):
-        assert torch.equal(drafts, expected_drafts)
+    for (block, q, confidence), (expected_block, expected_q, expected_confidence) in zip(whole_steps, steps):
+        assert torch.equal(block, expected_block)
         torch.testing.assert_close(confidence, expected_confidence, rtol=1e-6, atol=1e-7)
         assert (q is None) == greedy and (expected_q is None) == greedy
         if not greedy:
