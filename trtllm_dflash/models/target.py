@@ -335,9 +335,12 @@ class GptOssTarget(nn.Module):
                 self.expert_storages["amx"] = tiles
         self.moe_call_sets: dict[str, list[target_cpu.MoeCall | None]] = {}
         self.whole_steps: dict[str, target_cpu.WholeTargetStep | None] = {}  # per expert storage, built on first use
-        # the modules a hook on which sends a step down the per-call path (`hooked`)
-        self.watched = (hf_model.model.embed_tokens, *(module for parts in self.layer_parts
-                        for module in (*parts.projections, parts.o_proj, parts.experts, parts.router)))
+        # the modules a hook on which sends a step down the per-call path (`hooked`), as their hook dicts: asked every
+        # step, where a walk over the modules ran cold after the last step's kernels (round 28)
+        watched = (hf_model.model.embed_tokens, *(module for parts in self.layer_parts
+                   for module in (*parts.projections, parts.o_proj, parts.experts, parts.router)))
+        self.watched_hooks = [hooks for module in watched for hooks in (module._forward_pre_hooks, module._forward_hooks)]
+        self.embedding = hf_model.model.embed_tokens.weight.detach()  # the hidden states' dtype and device
         self.use_expert_storage(next(iter(self.expert_storages)))
         self.use_cpu_kernels = True  # False: attention, MoE and add + RMSNorms in torch even where compiled kernels serve
         self.use_whole_step = True  # False: the decoder layers part by part even where `whole_step` serves (an A/B)
@@ -416,7 +419,7 @@ class GptOssTarget(nn.Module):
             [parts.sinks for parts in self.layer_parts], [-1 if w is None else w for w in self.windows],
             [weights[1] for weights in self.norm_weights], [call.arguments() for call in self.moe_calls],
             [weights for _, weights in self.next_norms], norms[0].variance_epsilon, self.scale)
-        return target_cpu.WholeTargetStep(step, self.hf.model.embed_tokens.weight.detach(), self.rotary)
+        return target_cpu.WholeTargetStep(step, self.embedding, self.rotary)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -487,21 +490,23 @@ class GptOssTarget(nn.Module):
             return fused_attention(q, keys, values, mask, self.layer_parts[i].sinks, self.scale)
         return sink_attention(q, keys, values, mask, self.layer_parts[i].attention.sinks, self.scale)
 
-    @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVArena,
                 feature_layers: list[int], logit_index: torch.Tensor | None = None, head: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run tokens [b, t] at absolute positions [b, t], writing their K/V into the cache.
+        """Run tokens [b, t] at absolute positions [b, t], writing their K/V into the cache, in inference mode.
 
         Returns logits [b, t, V] (or [b, V] at `logit_index` [b]; with `head` False the final-normed hidden
         states instead, [b, t, H] or [b, H]) and the concatenated outputs of `feature_layers` [b, t, len * hidden]
         (None when no layer is asked for).
         """
-        embedding = self.hf.model.embed_tokens.weight  # the hidden states' dtype and device
+        if not torch.is_inference_mode_enabled():  # the loop runs in it: entering it again every step ran cold
+            with torch.inference_mode():
+                return self.forward(tokens, positions, cache, feature_layers, logit_index, head)
+        embedding = self.embedding
         compiled = embedding.device.type == "cpu" and self.use_cpu_kernels
         compiled_attention = compiled and target_cpu.attention_serves(embedding, self.head_dim)
         step = self.whole_step() if compiled_attention and self.use_whole_step else None
-        if step is not None and not hooked(*self.watched):
+        if step is not None and not any(self.watched_hooks):
             h, features = step(tokens, cache, positions, feature_layers)
         else:
             x = self.embed(tokens)
