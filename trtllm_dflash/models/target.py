@@ -249,7 +249,13 @@ class KernelLinear:
 def hooked(*modules: nn.Module) -> bool:
     """Whether a forward hook watches one of these modules (quantization calibration records their
     inputs that way): a lean path that bypasses them must then call them instead."""
-    return any(m._forward_pre_hooks or m._forward_hooks for m in modules)
+    return any(hook_dicts(*modules))
+
+
+def hook_dicts(*modules: nn.Module) -> list[dict]:
+    """The modules' forward (pre-)hooks as the dicts that hold them: `register_forward_hook` adds to these very
+    dicts, so a list of them, made once, answers `hooked` later."""
+    return [hooks for module in modules for hooks in (module._forward_pre_hooks, module._forward_hooks)]
 
 
 @dataclass(frozen=True)
@@ -337,9 +343,9 @@ class GptOssTarget(nn.Module):
         self.whole_steps: dict[str, target_cpu.WholeTargetStep | None] = {}  # per expert storage, built on first use
         # the modules a hook on which sends a step down the per-call path (`hooked`), as their hook dicts: asked every
         # step, where a walk over the modules ran cold after the last step's kernels (round 28)
-        watched = (hf_model.model.embed_tokens, *(module for parts in self.layer_parts
-                   for module in (*parts.projections, parts.o_proj, parts.experts, parts.router)))
-        self.watched_hooks = [hooks for module in watched for hooks in (module._forward_pre_hooks, module._forward_hooks)]
+        self.watched_hooks = hook_dicts(hf_model.model.embed_tokens, *(
+            module for parts in self.layer_parts for module in (*parts.projections, parts.o_proj, parts.experts,
+                                                                parts.router)))
         self.embedding = hf_model.model.embed_tokens.weight.detach()  # the hidden states' dtype and device
         self.use_expert_storage(next(iter(self.expert_storages)))
         self.use_cpu_kernels = True  # False: attention, MoE and add + RMSNorms in torch even where compiled kernels serve

@@ -174,12 +174,8 @@ class AdaptiveDraftLength:
             return [0] * rows
         return [bisect_right(self.key_edges[source], key) for key in keys]
 
-    def expected_tokens(self, source: str, keys: Sequence[float] | None) -> list[float]:
-        """[K] -> expected committed tokens of a step, summed over its rows (one row where `keys` is None)."""
-        return self.summed_expected(source, self.buckets(source, keys))
-
-    def summed_expected(self, source: str, buckets: list[int]) -> list[float]:
-        """`expected_tokens` of rows in these buckets of `source`'s estimates."""
+    def expected_tokens(self, source: str, buckets: list[int]) -> list[float]:
+        """[K] -> expected committed tokens of a step, summed over its rows, one row per entry of `buckets`."""
         if len(buckets) == 1:  # a lone request: its bucket's own list, not a copy
             return self.estimates[source][buckets[0]].expected_tokens()
         rows = [self.estimates[source][b].expected_tokens() for b in buckets]
@@ -191,7 +187,7 @@ class AdaptiveDraftLength:
             self.chosen[source].append(most)
             return most
         buckets, cost = self.buckets(source, keys), self.costs[source]
-        value = [e / c for e, c in zip(self.summed_expected(source, buckets), cost[: most + 1])]
+        value = [e / c for e, c in zip(self.expected_tokens(source, buckets), cost[: most + 1])]
 
         def best(least: int) -> int:
             return max(range(least, most + 1), key=value.__getitem__)
@@ -219,7 +215,7 @@ class AdaptiveDraftLength:
         expected = [0.0] * (most + 1)
         rows = [self.calibration.expected_tokens(row[:most]) for row in confidences]
         if suffix_keys:
-            rows.append(self.expected_tokens("suffix", suffix_keys))
+            rows.append(self.expected_tokens("suffix", self.buckets("suffix", suffix_keys)))
         for row in rows:
             expected = [total + e for total, e in zip(expected, row)]
         cost = self.costs["neural"]
