@@ -63,7 +63,8 @@ def test_step_costs_counts_experts_in_a_run_of_its_own(monkeypatch):
     import torch
 
     from trtllm_dflash.models.random_pair import random_target, tiny_target_config
-    from trtllm_dflash.models.target import GptOssTarget, hooked
+    from trtllm_dflash.models.layers import hooked
+    from trtllm_dflash.models.target import GptOssTarget
 
     spec = importlib.util.spec_from_file_location("bench_step_costs", BENCHMARKS / "bench_step_costs.py")
     bench = importlib.util.module_from_spec(spec)

@@ -16,7 +16,8 @@ from torch.nn import functional as F
 
 from trtllm_dflash.models.drafter import DFlashDrafter, normed_rotated
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
-from trtllm_dflash.models.target import GptOssTarget, lean_rms_norm
+from trtllm_dflash.models.layers import lean_rms_norm
+from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.plugins.draft_block import cpu
 from trtllm_dflash.plugins.draft_block.reference import draft_block_attention_reference
 from trtllm_dflash.runtime.accept import greedy_accept, greedy_accept_logits

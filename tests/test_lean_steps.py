@@ -9,9 +9,10 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
 from trtllm_dflash.models.drafter_weights import InferenceWeights
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
+from trtllm_dflash.models.layers import (attention_bias, causal_mask, fused_attention, half_copies, routed_experts,
+                                         sink_attention)
 from trtllm_dflash.models.linear import fbgemm_fp16
-from trtllm_dflash.models.target import (GptOssTarget, attention_bias, causal_mask, fused_attention,
-                                         half_copies, routed_experts, sink_attention)
+from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.plugins.target import cpu as target_cpu
 from trtllm_dflash.plugins.target.cpu import amx_available
 

@@ -18,7 +18,8 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 from trtllm_dflash.models.random_pair import random_target, tiny_target_config
 from trtllm_dflash.models.kv_cache import KVArena
 from trtllm_dflash.models.rope import rotate
-from trtllm_dflash.models.target import GptOssTarget, causal_mask, routed_experts, sink_attention
+from trtllm_dflash.models.layers import causal_mask, routed_experts, sink_attention
+from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.plugins.compiled import AMX_VARIABLE
 from trtllm_dflash.plugins.target import cpu
 from trtllm_dflash.quant.codecs import mxfp4_decode, mxfp4_encode

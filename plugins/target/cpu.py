@@ -2,7 +2,7 @@
 (`plugins/compiled.py`).
 
 On a small target a CPU step is bound by tensor ops and Python, not arithmetic: the MoE's torch formulation
-(`models/target.py` `routed_experts`) takes ~25 ops and a Python loop over routed experts, a layer's
+(`models/layers.py` `routed_experts`) takes ~25 ops and a Python loop over routed experts, a layer's
 attention ~15 ops and per-step masks. The MoE kernel takes the router's top-k and the experts' float32
 weights or their exact bf16 copies; the attention kernel the fused q/k/v projection's output and the layer's
 K/V arena. Where ``target_kernels()`` returns None the target runs the torch formulations; the kernels'

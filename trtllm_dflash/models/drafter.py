@@ -38,9 +38,9 @@ from ..plugins.draft_block.reference import context_visibility
 from .drafter_config import DFlashConfig
 from .kv_cache import KVArena
 from .drafter_weights import InferenceWeights
+from .layers import attention_bias, fused_attention, hooked, lean_rms_norm, normalized, sink_attention
 from .linear import CastLinear, cast
 from .rope import Rotary, apply_rotary, rotate
-from .target import attention_bias, fused_attention, hooked, lean_rms_norm, normalized, sink_attention
 
 
 class RMSNorm(nn.Module):

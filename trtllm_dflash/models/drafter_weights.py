@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .layers import doubled_weight
 from .linear import CastLinear, gemm_dtype
-from .target import doubled_weight
 
 if TYPE_CHECKING:
     from .drafter import DFlashDrafter
