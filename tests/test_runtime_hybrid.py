@@ -1,6 +1,7 @@
 """dflash-sa: suffix-automaton drafts where the committed sequence repeats itself, DFlash otherwise.
 
-The suffix index is checked against a brute-force longest match; the hybrid is token-identical to
+The suffix index, in Python and compiled, is checked against a brute-force longest match, and a batch's compiled
+indexes against the Python ones; the hybrid is token-identical to
 greedy `generate` on a random and the embedded pair with suffix and neural rows mixed in one batch, reaches tau = block_size on a
 forced repeat, and leaves the drafter's context exactly as a fresh prefill would. With an adaptive
 draft length (any K per step) DFlash and the hybrid stay token-identical.
@@ -23,7 +24,7 @@ from trtllm_dflash.runtime.draft_length import (KEY_EDGES, SOURCE_PRIORS, Accept
 from trtllm_dflash.runtime.proposers import DFlashProposer, SuffixDFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime, prefill
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.runtime.suffix_index import SuffixIndex
+from trtllm_dflash.runtime.suffix_index import KERNEL, SuffixIndex, SuffixIndexes
 
 
 def brute_force_match(sequence: list[int]) -> int:
@@ -36,12 +37,23 @@ def brute_force_match(sequence: list[int]) -> int:
     return 0
 
 
+def compiled_index():
+    module = KERNEL.module()
+    if module is None:
+        pytest.skip(f"the compiled suffix index is unavailable: {KERNEL.unavailable_reason()}")
+    return module.SuffixIndex()
+
+
+INDEXES = {"python": SuffixIndex, "compiled": compiled_index}
+
+
+@pytest.mark.parametrize("kind", INDEXES)
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, 3), min_size=1, max_size=60), st.integers(1, 8))
-def test_suffix_index_matches_brute_force(sequence, count):
-    index = SuffixIndex()
+@given(sequence=st.lists(st.integers(0, 3), min_size=1, max_size=60), count=st.integers(1, 8))
+def test_suffix_index_matches_brute_force(kind, sequence, count):
+    index = INDEXES[kind]()
     for n, token in enumerate(sequence, start=1):
-        index.append(token)
+        index.extend([token])
         prefix = sequence[:n]
         length = index.match_length()
         assert length == brute_force_match(prefix)
@@ -53,12 +65,51 @@ def test_suffix_index_matches_brute_force(sequence, count):
             assert extended[n:] == [extended[end + 1 + j] for j in range(count)]
 
 
-def test_suffix_index_prefers_a_recent_occurrence():
-    index = SuffixIndex([5, 1, 2, 7, 1, 2, 8, 1, 2])
+@pytest.mark.parametrize("kind", INDEXES)
+def test_suffix_index_prefers_a_recent_occurrence(kind):
+    index = INDEXES[kind]()
+    index.extend([5, 1, 2, 7, 1, 2, 8, 1, 2])
     assert index.match_length() == 2 and index.continuation(2) == [8, 1]
     index.extend([3, 9, 9, 9])
     assert index.match_length() == 2 and index.continuation(3) == [9, 9, 9]  # overlapping loop
 
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=40), min_size=1, max_size=4),
+       growth=st.lists(st.integers(0, 3), min_size=1, max_size=5), count=st.integers(1, 6))
+def test_compiled_indexes_answer_as_the_python_ones(rows, growth, count):
+    """A batch's compiled indexes give the Python ones' match lengths, continuations and verify block while the
+    histories grow by a few tokens a step and rows leave (`keep_rows`)."""
+    if KERNEL.module() is None:
+        pytest.skip(f"the compiled suffix index is unavailable: {KERNEL.unavailable_reason()}")
+    compiled = SuffixIndexes(len(rows))
+    with pytest.MonkeyPatch.context() as patch:  # the fallback, as where the module cannot be built
+        patch.setattr(KERNEL, "module", lambda: None)
+        python = SuffixIndexes(len(rows))
+    assert python.module is None and compiled.module is not None
+    history = [list(row) for row in rows]
+    for step, extra in enumerate(growth):
+        for i, row in enumerate(history):
+            row.extend((row[(j + i) % len(row)] for j in range(extra)))  # repeats, so matches are common
+        assert compiled.match(history) == python.match(history)
+        assert torch.equal(compiled.verify_block(count), python.verify_block(count))
+        assert [compiled.continuation(i, count) for i in range(len(history))] == \
+            [python.continuation(i, count) for i in range(len(history))]
+        if step == 1 and len(history) > 1:  # the first row leaves the batch
+            compiled.keep_rows(list(range(1, len(history))))
+            python.keep_rows(list(range(1, len(history))))
+            history = history[1:]
+
+
+def test_compiled_indexes_refuse_a_history_that_is_not_lists():
+    if KERNEL.module() is None:
+        pytest.skip(f"the compiled suffix index is unavailable: {KERNEL.unavailable_reason()}")
+    indexes = SuffixIndexes(1)
+    with pytest.raises(RuntimeError, match="list of token ids"):
+        indexes.match([(1, 2, 3)])
+    with pytest.raises(RuntimeError, match="one row per index"):
+        indexes.match([[1], [2]])
 
 class RecordingHybrid(SuffixDFlashProposer):
     """Keeps which rows took suffix drafts at every step, and how many drafts the step verified."""
@@ -228,7 +279,7 @@ class ScriptedHybrid(SuffixDFlashProposer):
         return self.match_lengths
 
     def suffix_drafts(self, count):
-        return [index.continuation(count) if index.match_length() else [0] * count for index in self.indexes]
+        return [index.continuation(count) if index.match_length() else [0] * count for index in self.indexes.indexes]
 
     def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
         block, q = super().propose(anchors, anchor_positions, history, num_drafts, params, generator)

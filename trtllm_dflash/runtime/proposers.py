@@ -21,7 +21,7 @@ from ..plugins.draft_block.cpu import greedy_peak_cpu, serves
 from .accept import sample_from_probs
 from .draft_length import AdaptiveDraftLength
 from .sampling import SamplingParams, greedy_tokens, probabilities
-from .suffix_index import SuffixIndex
+from .suffix_index import SuffixIndexes
 
 
 class Proposer(Protocol):
@@ -308,7 +308,7 @@ class SuffixDFlashProposer:
     `max_suffix_drafts` (default: the block's `num_drafts`), the loop's widest step; a step that runs the
     drafter verifies at most its block's drafts, the suffix rows' cut to as many.
 
-    Each request has a `SuffixIndex` that reads only the tokens committed since the last step.
+    Each request has a suffix index (`SuffixIndexes`) that reads only the tokens committed since the last step.
     When every row takes suffix drafts the drafter does not run: the committed tokens' context K/V stay
     queued, as on a step without drafts, and the next drafter step writes all of them in its forward (a
     lone request's suffix step spent ~0.13 ms of ~0.75 on its own write, round 27; queued, they are a few
@@ -338,24 +338,20 @@ class SuffixDFlashProposer:
 
     def start(self, features, prompt_lens, capacity):
         self.dflash.start(features, prompt_lens, capacity)
-        self.indexes = [SuffixIndex() for _ in range(len(prompt_lens))]
+        self.indexes = SuffixIndexes(len(prompt_lens))
 
     def match(self, history: list[list[int]]) -> list[int]:
         """Each row's index brought up to its committed tokens (only what is new since the last step) -> each row's
         suffix match length, also kept as `match_lengths`."""
-        lengths = []
-        for index, sequence in zip(self.indexes, history):
-            index.extend(sequence[len(index):])
-            lengths.append(index.match_length())
-        self.match_lengths = lengths
-        return lengths
+        self.match_lengths = self.indexes.match(history)
+        return self.match_lengths
 
     def suffix_drafts(self, count: int) -> list[list[int] | None]:
         """Per row of the last `match`: its match's next `count` tokens, or None where the match is shorter than the
         threshold. Asked only once the step's K is known: most steps need fewer than the longest draft, and a step
         without drafts none (the hybrid's per-step Python cost ~10% of the loop's time, round 28)."""
-        return [index.continuation(count) if length >= self.threshold else None
-                for index, length in zip(self.indexes, self.match_lengths)]
+        return [self.indexes.continuation(row, count) if length >= self.threshold else None
+                for row, length in enumerate(self.match_lengths)]
 
     def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
         lengths = self.match(history)
@@ -371,8 +367,7 @@ class SuffixDFlashProposer:
             self.suffix_rows = [False] * len(lengths)
             return anchors[:, None], None
         if everyone:  # the committed tokens' context K/V wait for the next drafter step (see the class docstring)
-            block = [[sequence[-1]] + row for sequence, row in zip(history, self.suffix_drafts(num_drafts))]
-            return torch.tensor(block, dtype=anchors.dtype, device=anchors.device), None  # the anchors are last
+            return self.indexes.verify_block(num_drafts).to(anchors.device), None
         num_drafts = min(num_drafts, self.dflash.num_drafts)  # the drafter's block bounds a step it drafts
         block, q = self.dflash.propose(anchors, anchor_positions, history, num_drafts, params, generator)
         if any(self.suffix_rows):
@@ -410,4 +405,4 @@ class SuffixDFlashProposer:
 
     def keep_rows(self, rows):
         self.dflash.keep_rows(rows)
-        self.indexes = [self.indexes[i] for i in rows.tolist()]
+        self.indexes.keep_rows(rows.tolist())

@@ -11,9 +11,21 @@ longest suffix that also ends somewhere earlier. Each state keeps one position w
 substrings end, refreshed each time the state is that answer (a clone inherits its original's):
 a recent occurrence, known without a search. Recent beats first: on the embedded pair, drafts
 copied after the most recent occurrence are accepted more often (docs/benchmarks.md).
+
+The loop keeps a batch's indexes in `SuffixIndexes`: compiled (`suffix_index.cpp`, the same automaton) where the
+project's C++ kernels build, else these Python ones.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..plugins.compiled import CompiledKernel
+
+KERNEL = CompiledKernel(Path(__file__).with_name("suffix_index.cpp"), "dflash_suffix_index", "compiled suffix index",
+                        "the hybrid's suffix indexes run in Python")
 
 
 class SuffixIndex:
@@ -82,3 +94,39 @@ class SuffixIndex:
         while len(out) < count:
             out.append(out[len(out) - period])
         return out
+
+
+class SuffixIndexes:
+    """A batch's suffix indexes, one per request: compiled where `KERNEL` builds, else `SuffixIndex` (the same
+    answers, tests/test_runtime_hybrid.py). Compiled because the Python index's per-token work runs cold after every
+    target step and grows with the batch: the default 1.04x / 1.11x as fast at batch 4 / 8, within noise at batch 1
+    (docs/benchmarks.md, round 29)."""
+
+    def __init__(self, batch: int):
+        self.module = KERNEL.module()
+        make = SuffixIndex if self.module is None else self.module.SuffixIndex
+        self.indexes = [make() for _ in range(batch)]
+
+    def match(self, history: list[list[int]]) -> list[int]:
+        """Each index brought up to its row of `history` (lists of token ids; only their new tails are read) -> each
+        row's match length."""
+        if self.module is not None:
+            return self.module.match(self.indexes, history)
+        lengths = []
+        for index, sequence in zip(self.indexes, history):
+            index.extend(sequence[len(index):])
+            lengths.append(index.match_length())
+        return lengths
+
+    def continuation(self, row: int, count: int) -> list[int]:
+        return self.indexes[row].continuation(count)
+
+    def verify_block(self, count: int) -> torch.Tensor:
+        """The verify block of a step whose rows all take suffix drafts, int64 [b, 1 + count] on the CPU: each row's
+        newest token (its anchor), then `count` tokens of its continuation."""
+        if self.module is not None:
+            return self.module.verify_block(self.indexes, count)
+        return torch.tensor([[index.tokens[-1]] + index.continuation(count) for index in self.indexes])
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.indexes = [self.indexes[i] for i in rows]
