@@ -365,6 +365,29 @@ def test_a_costly_draft_is_refreshed_less_often():
     assert [generous.choose("neural", 1) for _ in range(8)] == [0] * 7 + [1]
 
 
+
+@settings(max_examples=40, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["neural", "suffix"]), st.integers(1, 3),
+                                st.lists(st.integers(0, 3), min_size=1, max_size=3),
+                                st.lists(st.integers(1, 40), min_size=3, max_size=3)), min_size=1, max_size=30))
+def test_kept_choices_are_what_the_estimates_give_now(steps):
+    """`best_choices` keeps its answers until the source's next `observe`: after any mix of steps, every kept answer
+    equals the one a policy with the same estimates and nothing kept computes."""
+    import copy
+
+    costs = {"neural": [1.0, 2.0, 2.1, 2.2], "suffix": [1.0, 1.1, 1.2, 1.3]}
+    policy = AdaptiveDraftLength(costs)
+    for source, drafts, accepted, keys in steps:
+        keys = keys[: len(accepted)] if source == "suffix" else None
+        policy.choose(source, 3, keys)
+        policy.observe(source, drafts, [min(a, drafts) for a in accepted], keys)
+        policy.choose(source, 2, keys)  # another shape, kept beside the first
+    fresh = copy.deepcopy(policy)
+    fresh.choices = {source: {} for source in costs}
+    for source, kept in policy.choices.items():
+        for (most, buckets), answer in kept.items():
+            assert answer == fresh.best_choices(source, most, list(buckets))
+
 def test_untried_positions_start_at_each_source_s_prior():
     """Before any observation each source's K follows its prior alone: the neural drafter's 0.5 stops at two
     drafts where the suffix source's optimistic prior verifies every one (SOURCE_PRIORS); swapped priors swap them."""
