@@ -1,7 +1,7 @@
 // suffix_index.py's `SuffixIndex` compiled (suffix_index.py `SuffixIndexes` builds and loads this file): the same
 // online suffix automaton with the same answers, and a batch's work of a step in one call each (`match`, then
 // `verify_block`). The Python index's per-token dict and list operations run cold after every target step and grow
-// with the batch: the default ran 1.04x / 1.11x as fast with this at batch 4 / 8 (docs/benchmarks.md, round 29).
+// with the batch: the default ran 1.02x as fast with this at batch 1, 4 and 8 (docs/benchmarks.md, round 29).
 
 #include <torch/extension.h>
 

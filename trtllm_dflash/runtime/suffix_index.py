@@ -99,7 +99,7 @@ class SuffixIndex:
 class SuffixIndexes:
     """A batch's suffix indexes, one per request: compiled where `KERNEL` builds, else `SuffixIndex` (the same
     answers, tests/test_runtime_hybrid.py). Compiled because the Python index's per-token work runs cold after every
-    target step and grows with the batch: the default 1.04x / 1.11x as fast at batch 4 / 8, within noise at batch 1
+    target step and grows with the batch: the default 1.02x as fast at batch 1, 4 and 8, the same steps
     (docs/benchmarks.md, round 29)."""
 
     def __init__(self, batch: int):
