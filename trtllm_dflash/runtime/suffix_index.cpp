@@ -133,7 +133,6 @@ torch::Tensor verify_block(const std::vector<SuffixIndex*>& indexes, int64_t cou
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<SuffixIndex>(m, "SuffixIndex")
       .def(py::init<>())
-      .def("__len__", &SuffixIndex::size)
       .def("extend", &SuffixIndex::extend)
       .def("match_length", &SuffixIndex::match_length)
       .def_property_readonly("match_end", &SuffixIndex::match_end)

@@ -32,7 +32,7 @@ class SuffixIndex:
     """Append tokens with `extend`; `match_length` and `continuation` describe the longest suffix
     that occurred earlier. Lists of plain ints: the per-token work is a few dict operations."""
 
-    def __init__(self, tokens: list[int] | None = None):
+    def __init__(self):
         self.tokens: list[int] = []
         self.next: list[dict[int, int]] = [{}]  # per state: token -> state
         self.link: list[int] = [-1]  # suffix link (-1 for the root)
@@ -40,7 +40,6 @@ class SuffixIndex:
         self.end: list[int] = [-1]  # per state: where (the last token of) a recent occurrence ends
         self.last = 0  # state of the whole sequence
         self.match_end = -1  # where the longest suffix occurring earlier ends there (-1: no match)
-        self.extend(tokens or [])
 
     def __len__(self) -> int:
         return len(self.tokens)
