@@ -52,7 +52,7 @@ from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.runtime.stats import total_stats
-from trtllm_dflash.runtime.tuning import choose_expert_storage, expert_storage_note
+from trtllm_dflash.runtime.tuning import EXPERT_DTYPES, choose_expert_storage, expert_storage_note
 
 
 def random_pair(root: Path) -> tuple[Path, Path]:
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--suffix-key-edges", default="",
                         help="with --adaptive: the widest adaptive dflash-sa row also with these buckets of match lengths "
                              "(comma-separated; each edges joined by ':', e.g. 4:16, or none for one estimate)")
-    parser.add_argument("--expert-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+    parser.add_argument("--expert-dtype", choices=EXPERT_DTYPES, default="auto",
                         help="as dflash-run's option of that name")
     parser.add_argument("--drafter-gemm-dtype", choices=DRAFTER_GEMM_DTYPES, default="auto",
                         help="as dflash-run's option of that name, for the DFlash and dflash-sa rows")

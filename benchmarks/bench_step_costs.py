@@ -4,7 +4,7 @@ autoregressive decoding against transformers' `generate` on the same target.
     python benchmarks/bench_step_costs.py [--target DIR --drafter DIR] [--prompts 16] [--max-tokens 128]
                                           [--batch-sizes 1,4,8] [--repeats 3] [--threads 1]
                                           [--drafter-gemm-dtype auto|float32|bfloat16|float16]
-                                          [--expert-dtype auto|float32|bfloat16|float16]
+                                          [--expert-dtype auto|float32|bfloat16|float16|int8|amx]
 
 Per repeat and batch size, three runs interleaved on the same prompts (greedy, no stop ids, so every
 run decodes the same length): our autoregressive loop, the DFlash loop, and `GptOssForCausalLM.generate`
@@ -42,7 +42,7 @@ from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.runtime.proposers import DFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.runtime.tuning import choose_expert_storage, expert_storage_note
+from trtllm_dflash.runtime.tuning import EXPERT_DTYPES, choose_expert_storage, expert_storage_note
 
 
 def gemm_rate(hidden: int, vocab: int, calls: int = 50) -> float:
@@ -106,8 +106,7 @@ def target_bytes(target: GptOssTarget, experts_touched: float, batch: int, conte
     the LM head in its copy's dtype, and the K/V of `batch` rows at `context`."""
     cfg, layers = target.config, target.hf.model.layers
     experts = layers[0].mlp.experts
-    matrices = experts.gate_up_proj.numel() + experts.down_proj.numel()
-    per_expert = (matrices * getattr(torch, target.expert_storage).itemsize
+    per_expert = (target.expert_bytes() / len(layers)
                   + nbytes(experts) - experts.gate_up_proj.nbytes - experts.down_proj.nbytes) / cfg.num_local_experts
     dense = sum(nbytes(layer.self_attn, layer.mlp.router, layer.input_layernorm, layer.post_attention_layernorm)
                 for layer in layers)
@@ -205,7 +204,7 @@ def main() -> None:
     add_pair_arguments(parser)
     parser.add_argument("--batch-sizes", default="1,4,8")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--expert-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+    parser.add_argument("--expert-dtype", choices=EXPERT_DTYPES, default="auto",
                         help="as dflash-run's option of that name (auto: timed at the first batch size)")
     parser.add_argument("--drafter-gemm-dtype", choices=DRAFTER_GEMM_DTYPES, default="auto",
                         help="as dflash-run's option of that name")

@@ -12,9 +12,13 @@ import torch
 from trtllm_dflash.errors import InputError, MissingDependencyError
 
 
+EXIT_INTERRUPTED = 130  # the shell convention for SIGINT
+
+
 def clean_errors(command: Callable) -> Callable:
     """Bad input exits 2, a missing optional dependency 3 and a failed file operation 1, each with a
-    message naming what failed, never a traceback."""
+    message naming what failed, never a traceback; Ctrl-C outside the part of a command that reports what it
+    had done (dflash-run's loop) exits 130 with one line, where click would say "Aborted!" and exit 1."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -27,6 +31,9 @@ def clean_errors(command: Callable) -> Callable:
             where = ": ".join(str(name) for name in (exc.filename, exc.filename2) if name)
             click.echo(f"error: {where + ': ' if where else ''}{exc.strerror or exc}", err=True)
             sys.exit(1)
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
 
     return wrapper
 

@@ -14,10 +14,9 @@ from trtllm_dflash.checkpoints.publish import check_output_path
 from trtllm_dflash.errors import InputError
 from trtllm_dflash.models.linear import DRAFTER_GEMM_DTYPES, drafter_gemm_dtype
 from trtllm_dflash.prompts import encode_prompts, load_tokenizer, read_prompts_file
+from trtllm_dflash.runtime.tuning import EXPERT_DTYPES
 
-from .common import clean_errors, resolve_device, resolve_dtype
-
-EXIT_INTERRUPTED = 130  # the shell convention for SIGINT
+from .common import EXIT_INTERRUPTED, clean_errors, resolve_device, resolve_dtype
 
 
 def resolve_pair(engine_dir: Path | None, target_dir: Path | None, drafter_dir: Path | None, verify: bool):
@@ -352,7 +351,7 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
                    "else bfloat16 where bf16 GEMMs are native (CUDA, a CPU with AVX512-BF16), else "
                    "float16 where fbgemm runs (x86 CPUs), else --dtype [default: auto; reference backend, dflash and "
                    "dflash-sa only].")
-@click.option("--expert-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16", "int8", "amx"]),
+@click.option("--expert-dtype", type=click.Choice(EXPERT_DTYPES),
               help="How the reference runtime's MoE reads the target's experts: as --dtype, or (CPU, float32 experts "
                    "that bf16 holds exactly, as MXFP4 checkpoints' are) from bf16 copies cast back per GEMM (the same "
                    "numbers), from int8 copies times a power of two per input row (MXFP4 experts whose block scales "

@@ -54,22 +54,50 @@ def test_benchmark_script_runs_to_its_report(script):
         assert len(re.findall(CASES[script][1][0], done.stdout, flags=re.MULTILINE)) == 3
 
 
+def load_bench_step_costs(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_step_costs", BENCHMARKS / "bench_step_costs.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_step_costs_byte_floor_reads_the_experts_in_each_storage(monkeypatch):
+    """A target step's byte floor counts the experts at the size of the storage read: half the float32 originals'
+    from bf16 pairs, fbgemm's float16 copies and AMX tiles, about a quarter from int8 rows. (Round 29's CI failed
+    where the start-up timing chose the AMX tiles: the floor took the storage's name for a torch dtype.)"""
+    from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
+    from trtllm_dflash.embedded import pair_paths
+    from trtllm_dflash.models.target import GptOssTarget
+
+    bench = load_bench_step_costs(monkeypatch)
+    target = GptOssTarget(load_hf_gpt_oss(pair_paths()[0]))
+    weights = sum(experts.gate_up_proj.numel() + experts.down_proj.numel()
+                  for experts in (layer.mlp.experts for layer in target.hf.model.layers))
+    floors, expert_bytes = {}, {}
+    for storage in target.expert_storages:
+        target.use_expert_storage(storage)
+        expert_bytes[storage] = target.expert_bytes()
+        floors[storage] = bench.target_bytes(target, 10.0, 1, 100.0)
+    assert expert_bytes["float32"] == 4 * weights
+    for half in {"bfloat16", "float16", "amx"} & set(floors):
+        assert expert_bytes[half] == 2 * weights and floors[half] < floors["float32"]
+    assert weights < expert_bytes["int8"] < 1.25 * weights and floors["int8"] < floors["bfloat16"]
+
+
 def test_step_costs_counts_experts_in_a_run_of_its_own(monkeypatch):
     """`bench_step_costs` counts the experts a step touches with hooks on the routers; a hooked router sends the
     lean forward down its slower hook-aware path, so the hooks must be gone before any timed run (rounds 17-23
     timed the hooked path)."""
-    import importlib.util
-
     import torch
 
     from trtllm_dflash.models.random_pair import random_target, tiny_target_config
     from trtllm_dflash.models.layers import hooked
     from trtllm_dflash.models.target import GptOssTarget
 
-    spec = importlib.util.spec_from_file_location("bench_step_costs", BENCHMARKS / "bench_step_costs.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up there
-    spec.loader.exec_module(bench)
+    bench = load_bench_step_costs(monkeypatch)
     target = GptOssTarget(random_target(tiny_target_config()))
     touched = bench.ExpertsTouched(target)
     seen_hooked = []

@@ -338,8 +338,10 @@ def test_ctrl_c_prints_statistics_and_exits_130(tiny_pair):
     code = "from trtllm_dflash.cli.run import main; main()"
     # A suite started in the background by a non-interactive shell inherits SIGINT ignored, and Python
     # then keeps it ignored: restore the default so the child behaves as in a terminal.
+    # 16 prompts of 4000 tokens (the tiny target holds 4096 positions): a CI machine decoded one in under the second
+    # below, and the signal then fell after the loop (round 29)
     proc = subprocess.Popen([sys.executable, "-u", "-c", code, "--target", str(target), "--drafter", str(drafter),
-                             "--prompt", "stream me", "--max-tokens", "4000"],  # the tiny target holds 4096 positions
+                             *["--prompt", "stream me"] * 16, "--max-tokens", "4000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -353,6 +355,20 @@ def test_ctrl_c_prints_statistics_and_exits_130(tiny_pair):
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err + out
     assert "acceptance length" in out
+
+
+def test_ctrl_c_before_the_loop_exits_130_in_one_line(tiny_pair, monkeypatch):
+    """SIGINT while the pair loads (before the loop that reports what it did): 130 and one line, not click's
+    "Aborted!" and exit 1."""
+    import trtllm_dflash.checkpoints.validate as validate
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(validate, "validate_pair", interrupted)
+    target, drafter = tiny_pair
+    result = invoke("--target", target, "--drafter", drafter, "--prompt", "hi")
+    assert result.exit_code == 130 and result.output.strip() == "interrupted"
 
 
 def test_no_arguments_without_embedded_pair_is_a_clear_error(monkeypatch, tmp_path):

@@ -5,6 +5,8 @@ tensors and the modules whose weights they read."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -124,6 +126,16 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.Module, doubled:
 
 # [E, in, out], or per expert fbgemm's packed [out, in] (`half_copies`), or exact copies (`target_cpu.ExpertCopy`)
 ExpertMatrices = torch.Tensor | list | target_cpu.ExpertCopy
+
+
+def stored_bytes(matrices: ExpertMatrices, weights: int) -> int:
+    """The bytes `matrices`, a copy of `weights` weights, take: a tensor's, an exact copy's tensors' (values and any
+    scales), and 2 a weight for fbgemm's packed float16 copies, whose buffers torch does not expose."""
+    if isinstance(matrices, torch.Tensor):
+        return matrices.nbytes
+    if isinstance(matrices, list):
+        return 2 * weights
+    return sum(getattr(matrices, field.name).nbytes for field in dataclasses.fields(matrices))
 
 
 def routed_experts(x: torch.Tensor, mlp: nn.Module, gate_up_proj: ExpertMatrices | None = None,

@@ -46,7 +46,7 @@ from ..plugins.draft_block import cpu as draft_cpu
 from ..plugins.target import cpu as target_cpu
 from .kv_cache import KVArena
 from .layers import (ExpertMatrices, add_rms_norm, attention_bias, causal_mask, doubled_weight, fused_attention,
-                     half_copies, hook_dicts, hooked, rms_norm, routed_experts, sink_attention)
+                     half_copies, hook_dicts, hooked, rms_norm, routed_experts, sink_attention, stored_bytes)
 from .linear import CastLinear, cast, exact_dtype
 from .rope import Rotary, rotate
 
@@ -177,6 +177,13 @@ class GptOssTarget(nn.Module):
             self.moe_call_sets[name] = [target_cpu.moe_call(parts.mlp, *weights) if lean else None
                                         for parts, weights in zip(self.layer_parts, self.expert_weights)]
         self.moe_calls = self.moe_call_sets[name]
+
+    def expert_bytes(self) -> int:
+        """The bytes every layer's expert matrices take in the storage the MoE reads now (a step's floor counts
+        the experts it touches at this size, `benchmarks/bench_step_costs.py`)."""
+        originals = next(iter(self.expert_storages.values()))
+        return sum(stored_bytes(copy, original.numel())
+                   for copies, plain in zip(self.expert_weights, originals) for copy, original in zip(copies, plain))
 
     @property
     def prefill_storage(self) -> str:

@@ -15,6 +15,9 @@ import time
 
 import torch
 
+# `--expert-dtype`'s choices: auto, or a name in `GptOssTarget.expert_storages` where the target has that storage
+EXPERT_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "amx")
+
 
 def interleaved_times(calls: list, rounds: int, warm_up: int = 0) -> list[list[float]]:
     """Seconds of each call in each round, timed round-robin (every call once per round) so that load
