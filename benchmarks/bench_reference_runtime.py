@@ -46,7 +46,7 @@ from trtllm_dflash.models.linear import DRAFTER_GEMM_DTYPES, drafter_gemm_dtype
 from trtllm_dflash.models.random_pair import drafter_config_for, save_random_drafter, save_random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.prompts import load_tokenizer, read_prompts_file
-from trtllm_dflash.runtime.draft_length import (KEY_EDGES, SOURCE_PRIORS, AdaptiveDraftLength, format_costs,
+from trtllm_dflash.runtime.draft_length import (KEY_EDGES, SOURCE_PRIORS, adaptive_draft_length, format_costs,
                                                measure_step_costs)
 from trtllm_dflash.runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer, NGramProposer, SuffixDFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
@@ -131,7 +131,7 @@ def main() -> None:
     longest = args.sa_max_drafts
     if longest:
         runtimes[f"ngram-k{longest}"] = ReferenceRuntime(target, NGramProposer(num_drafts=longest))
-    policies: dict[str, AdaptiveDraftLength] = {}
+    policies: dict = {}  # row -> its adaptive policy (`adaptive_draft_length`)
     first_threshold = int(args.sa_thresholds.split(",")[0])
     variants = [(args.drafter_gemm_dtype, drafter, "")]  # (GEMM dtype choice, drafter, row suffix)
     if args.also_drafter_gemm_dtype:
@@ -162,19 +162,19 @@ def main() -> None:
             print(f"step costs{suffix} at batch {args.batch_size} (ms, K = 0, 1, ...; measured in "
                   f"{time.perf_counter() - start:.1f} s): {format_costs(widest)}")
             costs = {"neural": widest["neural"], "suffix": widest["suffix"][:block]}  # the block's K = 0..B-1
-            policies[f"dflash-adapt{suffix}"] = AdaptiveDraftLength(costs)
+            policies[f"dflash-adapt{suffix}"] = adaptive_draft_length(costs)
             runtimes[f"dflash-adapt{suffix}"] = ReferenceRuntime(target, dflash(policy=policies[f"dflash-adapt{suffix}"]))
             # the adaptive hybrids: (row stem, step costs, longest suffix draft); the widest also at --suffix-priors
             hybrids = [(f"dflash-sa{first_threshold}-adapt", costs, None)]
             if longest:
                 hybrids.append((f"dflash-sa{first_threshold}-s{longest}-adapt", widest, longest))
             stem, table, most = hybrids[-1]
-            rows = [(name + suffix, AdaptiveDraftLength(row_costs), row_most) for name, row_costs, row_most in hybrids]
-            rows += [(f"{stem}-p{prior:g}{suffix}", AdaptiveDraftLength(table, priors={**SOURCE_PRIORS, "suffix": prior}),
+            rows = [(name + suffix, adaptive_draft_length(row_costs), row_most) for name, row_costs, row_most in hybrids]
+            rows += [(f"{stem}-p{prior:g}{suffix}", adaptive_draft_length(table, priors={**SOURCE_PRIORS, "suffix": prior}),
                       most) for prior in (float(x) for x in args.suffix_priors.split(",") if x)]
             for edges in (x for x in args.suffix_key_edges.split(",") if x):
                 key_edges = {**KEY_EDGES, "suffix": () if edges == "none" else tuple(int(e) for e in edges.split(":"))}
-                rows.append((f"{stem}-e{edges}{suffix}", AdaptiveDraftLength(table, key_edges=key_edges), most))
+                rows.append((f"{stem}-e{edges}{suffix}", adaptive_draft_length(table, key_edges=key_edges), most))
             for name, policy, row_most in rows:
                 policies[name] = policy
                 runtimes[name] = ReferenceRuntime(target, SuffixDFlashProposer(

@@ -186,7 +186,7 @@ def adaptive_policy(target, drafter, block_size: int | None, batch_size: int, ma
     to `suffix_most`, default the block's)."""
     import time
 
-    from trtllm_dflash.runtime.draft_length import AdaptiveDraftLength, format_costs, measure_step_costs
+    from trtllm_dflash.runtime.draft_length import adaptive_draft_length, format_costs, measure_step_costs
     from trtllm_dflash.runtime.proposers import DFlashProposer
 
     most = (block_size or drafter.config.block_size) - 1
@@ -195,7 +195,7 @@ def adaptive_policy(target, drafter, block_size: int | None, batch_size: int, ma
                                batch_size, most, suffix_most=suffix_most)
     click.echo(f"adaptive draft length: step costs at batch {batch_size} measured in "
                f"{time.perf_counter() - start:.1f} s (ms, K = 0, 1, ...): {format_costs(costs)}", err=True)
-    return AdaptiveDraftLength(costs)
+    return adaptive_draft_length(costs)
 
 
 def check_expert_dtype(expert_dtype: str | None, backend: str) -> None:

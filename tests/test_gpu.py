@@ -196,6 +196,28 @@ def test_reference_runtime_lossless_on_cuda(embedded_on_cuda, batch_size, use_pl
         drafter.use_plugin = False
 
 
+def test_the_adaptive_policy_reads_cuda_confidences(embedded_on_cuda):
+    """The adaptive dflash-sa on CUDA (the policy compiled where the CPU kernels build: it copies the drafter's CUDA
+    confidences as `tolist` did) stays equal to greedy `generate`, with drafter steps truncated by it."""
+    from trtllm_dflash.runtime.draft_length import adaptive_draft_length
+    from trtllm_dflash.runtime.proposers import DFlashProposer, SuffixDFlashProposer
+    from trtllm_dflash.runtime.reference import ReferenceRuntime
+    from trtllm_dflash.runtime.sampling import SamplingParams
+
+    hf, target, drafter, target_dir = embedded_on_cuda
+    prompts = _heldout_token_prompts(target_dir, 4)
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p], device=CUDA), attention_mask=torch.ones(1, len(p), device=CUDA,
+                                dtype=torch.long), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    cheap = [1.0 + 0.05 * k for k in range(16)]  # drafting nearly free: drafter steps happen
+    policy = adaptive_draft_length({"neural": cheap[:8], "suffix": cheap})
+    proposer = SuffixDFlashProposer(DFlashProposer(drafter, target), policy=policy, max_suffix_drafts=15)
+    results = ReferenceRuntime(target, proposer).generate(prompts, SamplingParams(max_tokens=32), batch_size=2)
+    assert [r.output_token_ids for r in results] == expected
+    assert any(policy.chosen["neural"])
+
+
 def test_rejection_sampling_on_cuda_is_seeded(embedded_on_cuda):
     from trtllm_dflash.runtime.proposers import DFlashProposer
     from trtllm_dflash.runtime.reference import ReferenceRuntime

@@ -19,8 +19,7 @@ from trtllm_dflash.errors import InputError
 from trtllm_dflash.models import linear
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
-from trtllm_dflash.runtime.draft_length import (KEY_EDGES, SOURCE_PRIORS, AcceptanceEstimate, AdaptiveDraftLength,
-                                               ConfidenceCalibration, measure_step_costs)
+from trtllm_dflash.runtime.draft_length import adaptive_draft_length, measure_step_costs
 from trtllm_dflash.runtime.proposers import DFlashProposer, SuffixDFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime, prefill
 from trtllm_dflash.runtime.sampling import SamplingParams
@@ -72,7 +71,6 @@ def test_suffix_index_prefers_a_recent_occurrence(kind):
     assert index.match_length() == 2 and index.continuation(2) == [8, 1]
     index.extend([3, 9, 9, 9])
     assert index.match_length() == 2 and index.continuation(3) == [9, 9, 9]  # overlapping loop
-
 
 
 @settings(max_examples=60, deadline=None)
@@ -240,18 +238,12 @@ def test_long_suffix_drafts_stay_token_identical(random_pair, batch_size):
     """Fixed and adaptive (per-source rows of different lengths) with suffix drafts up to 9 past a block of 4."""
     target, drafter, prompts, expected = random_pair
     costs = {"neural": [1.0, 1.1, 1.2, 1.3], "suffix": [1.0 + 0.05 * k for k in range(10)]}
-    policy = AdaptiveDraftLength(costs)
+    policy = adaptive_draft_length(costs)
     for proposer in (SuffixDFlashProposer(DFlashProposer(drafter, target), 2, max_suffix_drafts=9),
                      SuffixDFlashProposer(DFlashProposer(drafter, target), 2, policy=policy, max_suffix_drafts=9)):
         results = ReferenceRuntime(target, proposer).generate(prompts, SamplingParams(max_tokens=24), batch_size)
         assert [r.output_token_ids for r in results] == expected
     assert max(policy.chosen["suffix"]) > 3 >= max(policy.chosen["neural"])
-
-
-def test_the_policy_bounds_each_source_by_its_own_cost_row():
-    policy = AdaptiveDraftLength({"neural": [1.0, 1.0, 1.0], "suffix": [1.0] * 8})  # free drafts: the most
-    assert policy.choose("neural", 7) == 2 and policy.choose("suffix", 7) == 7 and policy.choose("suffix", 5) == 5
-    assert policy.truncate([[0.9] * 7], 7) == 2
 
 
 def test_a_suffix_draft_limit_short_of_the_block_is_refused(random_pair):
@@ -321,150 +313,12 @@ def test_threshold_below_one_is_refused(random_pair):
         SuffixDFlashProposer(DFlashProposer(drafter, target), threshold=0)
 
 
-def test_acceptance_estimate_counts_positions_up_to_the_first_rejection():
-    estimate = AcceptanceEstimate(most=4, decay=1.0, prior=0.5, prior_weight=1.0)
-    estimate.observe(3, [1, 3, 0])  # row 0 kept 1 of 3, row 1 all 3, row 2 none
-    assert estimate.trials == [3, 2, 1, 0] and estimate.accepted == [2, 1, 1, 0]
-    assert estimate.rates() == pytest.approx([2.5 / 4, 1.5 / 3, 1.5 / 2, 0.5])
-    r = estimate.rates()
-    survive = [r[0], r[0] * r[1], r[0] * r[1] * r[2], r[0] * r[1] * r[2] * r[3]]
-    assert estimate.expected_tokens() == pytest.approx([1, 1 + sum(survive[:1]), 1 + sum(survive[:2]),
-                                                        1 + sum(survive[:3]), 1 + sum(survive)])
-    decaying = AcceptanceEstimate(most=2, decay=0.5)
-    decaying.observe(1, [0])  # position 0 rejected once; position 1 untried
-    assert decaying.rates()[0] == pytest.approx(0.25)
-    for _ in range(20):
-        decaying.observe(1, [1])  # every later step keeps its only draft: the old rejection fades
-    assert decaying.rates()[0] == pytest.approx((2 + 0.5) / (2 + 1), abs=1e-5)  # 2 = the decayed trial count
-    assert decaying.rates()[1] == 0.5
-
-
-def test_adaptive_draft_length_trades_acceptance_against_cost():
-    costs = {"neural": [1.0, 1.1, 1.2, 1.3], "suffix": [1.0, 1.1, 1.2, 1.3]}
-    policy = AdaptiveDraftLength(costs)
-    assert policy.choose("neural", 3) == 2  # prior 0.5: 1.75 tokens / 1.2 beats 1.5 / 1.1 and 1.875 / 1.3
-    for _ in range(10):
-        policy.observe("neural", 2, [0])  # the drafter's first draft always fails
-        policy.observe("suffix", 3, [3])  # the suffix drafts always hold
-    # a draft that never holds is not worth its cost: autoregressive steps, then one draft to look again
-    assert [policy.choose("neural", 3) for _ in range(policy.explore_every)] == [0] * 7 + [1]
-    assert policy.choose("neural", 3) == 0 and policy.choose("suffix", 3) == 3
-    assert policy.choose("suffix", 2) == 2  # never more than the loop allows
-    assert AdaptiveDraftLength(costs, least=1).choose("neural", 3) == 2  # least=1: always drafts
-    assert AdaptiveDraftLength({"neural": [1.0, 1.0, 1.0, 1.0]}).choose("neural", 3) == 3  # free drafts: all
-
-
-def test_a_costly_draft_is_refreshed_less_often():
-    """Refreshing an idle source's estimate spends at most `explore_share` of the idle run's time over plain steps:
-    a draft that costs 3x a plain step (+2.0) is tried again after 2.0 / (0.05 x 1.0) = 40 steps, not 8."""
-    policy = AdaptiveDraftLength({"neural": [1.0, 3.0, 3.1, 3.2]})
-    for _ in range(10):
-        policy.observe("neural", 2, [0])
-    assert [policy.choose("neural", 3) for _ in range(40)] == [0] * 39 + [1]
-    generous = AdaptiveDraftLength({"neural": [1.0, 3.0]}, explore_share=0.5)  # 4 steps pay for it: explore_every's 8
-    assert [generous.choose("neural", 1) for _ in range(8)] == [0] * 7 + [1]
-
-
-
-@settings(max_examples=40, deadline=None)
-@given(steps=st.lists(st.tuples(st.sampled_from(["neural", "suffix"]), st.integers(1, 3),
-                                st.lists(st.integers(0, 3), min_size=1, max_size=3),
-                                st.lists(st.integers(1, 40), min_size=3, max_size=3)), min_size=1, max_size=30))
-def test_kept_choices_are_what_the_estimates_give_now(steps):
-    """`best_choices` keeps its answers until the source's next `observe`: after any mix of steps, every kept answer
-    equals the one a policy with the same estimates and nothing kept computes."""
-    import copy
-
-    costs = {"neural": [1.0, 2.0, 2.1, 2.2], "suffix": [1.0, 1.1, 1.2, 1.3]}
-    policy = AdaptiveDraftLength(costs)
-    for source, drafts, accepted, keys in steps:
-        keys = keys[: len(accepted)] if source == "suffix" else None
-        policy.choose(source, 3, keys)
-        policy.observe(source, drafts, [min(a, drafts) for a in accepted], keys)
-        policy.choose(source, 2, keys)  # another shape, kept beside the first
-    fresh = copy.deepcopy(policy)
-    fresh.choices = {source: {} for source in costs}
-    for source, kept in policy.choices.items():
-        for (most, buckets), answer in kept.items():
-            assert answer == fresh.best_choices(source, most, list(buckets))
-
-def test_untried_positions_start_at_each_source_s_prior():
-    """Before any observation each source's K follows its prior alone: the neural drafter's 0.5 stops at two
-    drafts where the suffix source's optimistic prior verifies every one (SOURCE_PRIORS); swapped priors swap them."""
-    costs = {source: [1.0 + 0.1 * k for k in range(8)] for source in ("neural", "suffix")}
-    assert SOURCE_PRIORS == {"neural": 0.5, "suffix": 0.85}
-    policy = AdaptiveDraftLength(costs)
-    assert policy.choose("neural", 7) == 2 and policy.choose("suffix", 7) == 7
-    swapped = AdaptiveDraftLength(costs, priors={"neural": 0.85, "suffix": 0.5})
-    assert swapped.choose("neural", 7) == 7 and swapped.choose("suffix", 7) == 2
-
-
-def test_confidence_calibration_starts_at_the_confidence_and_learns_acceptance():
-    calibration = ConfidenceCalibration(decay=1.0)
-    assert calibration.rate(0.93) == pytest.approx(0.95) and calibration.rate(1.0) == pytest.approx(0.95)
-    assert calibration.expected_tokens([0.93, 0.13]) == pytest.approx([1, 1.95, 1.95 + 0.95 * 0.15])
-    for _ in range(20):  # confident drafts that fail, unconfident ones that hold
-        calibration.observe([[0.93, 0.13], [0.13, 0.93]], [0, 1])
-    # row 0 tried only its first draft (0.93, rejected); row 1 kept its first (0.13) and lost its second (0.93)
-    assert calibration.trials[9] == 40 and calibration.accepted[9] == 0
-    assert calibration.trials[1] == 20 and calibration.accepted[1] == 20
-    assert calibration.rate(0.95) == pytest.approx(0.95 * 2 / 42)
-
-
-def test_truncation_verifies_what_the_drafts_confidence_pays_for():
-    costs = {"neural": [1.0, 2.0, 2.1, 2.2, 2.3], "suffix": [1.0, 1.1, 1.2, 1.3, 1.4]}
-    policy = AdaptiveDraftLength(costs)
-    policy.choose("neural", 4)
-    assert policy.truncate([[0.99, 0.99, 0.05, 0.99]], 4) == 2  # the third draft will likely fail: stop before it
-    assert policy.chosen["neural"][-1] == 2  # the step's K as verified
-    policy.choose("neural", 4)
-    assert policy.truncate([[0.99] * 4], 4) == 4
-    policy.choose("neural", 4)
-    assert policy.truncate([[0.99] * 4], 2) == 2  # never more than drafted
-    policy.choose("neural", 4)
-    assert policy.truncate([[0.05] * 4], 4) == 1  # the drafter step is paid for: at least one draft
-    for _ in range(30):
-        policy.observe("suffix", 4, [4])  # suffix drafts that always hold
-    policy.choose("neural", 4)
-    assert policy.truncate([[0.99, 0.05, 0.05, 0.05]], 4, suffix_keys=[2, 3, 2]) == 4  # the suffix rows carry it
-
-
-def test_each_bucket_of_match_lengths_learns_its_own_acceptance():
-    """Suffix drafts after short matches that fail and after long ones that hold, in one step: each bucket of
-    KEY_EDGES learns its own, so a step of short matches stops early while one of long matches verifies every
-    draft, and a mixed step weighs both."""
-    costs = {"neural": [1.0, 2.0, 2.1], "suffix": [1.0 + 0.1 * k for k in range(8)]}
-    policy = AdaptiveDraftLength(costs)
-    assert KEY_EDGES["suffix"] == (4, 16) and policy.buckets("suffix", [2, 3, 4, 15, 16, 90]) == [0, 0, 1, 1, 2, 2]
-    for _ in range(30):
-        policy.observe("suffix", 7, [0, 7, 7], keys=[2, 20, 40])
-    assert policy.choose("suffix", 7, keys=[2]) == 0
-    assert policy.choose("suffix", 7, keys=[20]) == 7 == policy.choose("suffix", 7, keys=[2, 30])
-    assert policy.estimates["suffix"][1].trials == [0.0] * 7  # the middle bucket saw nothing: still at its prior
-    assert policy.choose("suffix", 7, keys=[8]) == 7 and policy.choose("suffix", 7) == 0  # no keys: the first bucket
-    policy.choose("neural", 2)
-    assert policy.truncate([[0.05, 0.05]], 2, suffix_keys=[2]) == 1 < policy.truncate([[0.05, 0.05]], 2, [20])
-
-
-def test_idle_steps_count_per_bucket():
-    """A bucket whose drafts never hold goes plain and is refreshed after `explore_every` of its own idle steps;
-    steps of another bucket in between neither refresh it nor reset its count."""
-    policy = AdaptiveDraftLength({"suffix": [1.0, 1.3, 1.4]}, priors={"suffix": 0.85})
-    for _ in range(10):
-        policy.observe("suffix", 2, [0], keys=[2])
-    chosen = []
-    for _ in range(policy.explore_every):
-        chosen.append(policy.choose("suffix", 2, keys=[2]))
-        assert policy.choose("suffix", 2, keys=[30]) == 2  # the untried long bucket drafts every time
-    assert chosen == [0] * 7 + [2]
-
-
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_adaptive_draft_length_stays_token_identical(random_pair, batch_size):
     target, drafter, prompts, expected = random_pair
     costs = {"neural": [1.0, 1.1, 1.2, 1.3], "suffix": [1.0, 1.1, 1.2, 1.3]}
     params = SamplingParams(max_tokens=24)
-    plain_policy, hybrid_policy = AdaptiveDraftLength(costs), AdaptiveDraftLength(costs)
+    plain_policy, hybrid_policy = adaptive_draft_length(costs), adaptive_draft_length(costs)
     plain = ReferenceRuntime(target, DFlashProposer(drafter, target, policy=plain_policy))
     hybrid = ReferenceRuntime(target, SuffixDFlashProposer(DFlashProposer(drafter, target), 2, policy=hybrid_policy))
     for runtime in (plain, hybrid):
@@ -480,7 +334,7 @@ def test_context_queued_over_steps_without_drafts_survives_rows_leaving(random_p
     """Mostly K = 0: committed features queue up between drafts while rows finish at different steps
     (and leave the batch); drafting after that must still be lossless and the drafter's context exact."""
     target, drafter, prompts, expected = random_pair
-    policy = AdaptiveDraftLength({"neural": [1.0, 2.0, 2.1, 2.2], "suffix": [1.0, 1.1, 1.2, 1.3]}, explore_every=3,
+    policy = adaptive_draft_length({"neural": [1.0, 2.0, 2.1, 2.2], "suffix": [1.0, 1.1, 1.2, 1.3]}, explore_every=3,
                                  explore_share=1.0)
     proposer = SuffixDFlashProposer(DFlashProposer(drafter, target), 2, policy=policy)
     results = ReferenceRuntime(target, proposer).generate(prompts, SamplingParams(max_tokens=24), batch_size=batch_size)
@@ -513,7 +367,7 @@ def test_adaptive_steps_without_drafts_also_sample(random_pair):
     costs = {"neural": [1.0, 2.0, 2.1, 2.2], "suffix": [1.0, 1.1, 1.2, 1.3]}  # drafting rarely pays
     outputs = []
     for _ in range(2):
-        policy = AdaptiveDraftLength(costs)
+        policy = adaptive_draft_length(costs)
         runtime = ReferenceRuntime(target, SuffixDFlashProposer(DFlashProposer(drafter, target), 2, policy=policy))
         outputs.append([r.output_token_ids for r in runtime.generate(prompts, params, batch_size=3)])
         assert 0 in policy.chosen["neural"] and any(policy.chosen["neural"])
@@ -534,7 +388,7 @@ def test_measured_step_costs_cover_every_draft_length(random_pair, suffix_most):
 
 def test_the_hybrid_refuses_a_policy_on_its_dflash_proposer(random_pair):
     target, drafter, _, _ = random_pair
-    policy = AdaptiveDraftLength({"neural": [1.0, 1.0], "suffix": [1.0, 1.0]})
+    policy = adaptive_draft_length({"neural": [1.0, 1.0], "suffix": [1.0, 1.0]})
     with pytest.raises(ValueError, match="hybrid proposer only"):
         SuffixDFlashProposer(DFlashProposer(drafter, target, policy=policy), 2, policy=policy)
 

@@ -18,7 +18,7 @@ from trtllm_dflash.models import linear
 from trtllm_dflash.models.random_pair import drafter_config_for, random_drafter, random_target, tiny_target_config
 from trtllm_dflash.models.target import GptOssTarget
 from trtllm_dflash.runtime.accept import rejection_accept
-from trtllm_dflash.runtime.draft_length import AdaptiveDraftLength
+from trtllm_dflash.runtime.draft_length import adaptive_draft_length
 from trtllm_dflash.runtime.proposers import DFlashProposer, SuffixDFlashProposer
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams, probabilities
@@ -124,7 +124,7 @@ def test_adaptive_draft_length_with_narrower_drafter_gemms_samples_follow_target
     def params(seed):
         return SamplingParams(max_tokens=3, temperature=0.7, seed=seed)
     # explore_share 1: a costly draft is still refreshed every 8 idle steps, so both kinds of step occur
-    policy = AdaptiveDraftLength({"neural": neural_costs, "suffix": [1.0, 1.1, 1.2, 1.3]}, explore_share=1.0)
+    policy = adaptive_draft_length({"neural": neural_costs, "suffix": [1.0, 1.1, 1.2, 1.3]}, explore_share=1.0)
     hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target, matmul_dtype=narrow), threshold=1, policy=policy)
     counts, histogram, _ = speculative_counts(target, drafter, params, hybrid)
     if neural_costs[1] >= 2:
@@ -141,7 +141,7 @@ def test_confidence_truncated_blocks_sample_the_target_distribution(pair):
     hf, target, drafter = pair
     def params(seed):
         return SamplingParams(max_tokens=3, temperature=0.7, seed=seed)
-    policy = AdaptiveDraftLength({"neural": [1.0, 1.3, 1.5, 1.7], "suffix": [1.0, 1.1, 1.2, 1.3]}, least=1)
+    policy = adaptive_draft_length({"neural": [1.0, 1.3, 1.5, 1.7], "suffix": [1.0, 1.1, 1.2, 1.3]}, least=1)
     counts, histogram, _ = speculative_counts(target, drafter, params, DFlashProposer(drafter, target, policy=policy))
     assert len(set(policy.chosen["neural"])) > 1, "the truncation never changed K: the test would not exercise it"
     assert histogram[0] > 0 and sum(histogram[1:]) > 0, "both acceptance and rejection must be exercised"

@@ -17,6 +17,10 @@ Drafts come from two sources with very different acceptance (dflash-sa): the DFl
 ("neural") and the suffix match ("suffix"); each has its own cost row and prior (`SOURCE_PRIORS`), and
 its own estimates, one per bucket of what a step knows of a row before drafting (`KEY_EDGES`: for a
 suffix draft, its match length; round 22).
+
+The loop runs the policy compiled (`draft_length.cpp`, made by `adaptive_draft_length`) where the project's C++
+kernels build: the same estimates in the same order of float64 operations, so the same choices; `AdaptiveDraftLength`
+here is the fallback and the reference the tests hold the compiled one to.
 """
 
 from __future__ import annotations
@@ -24,10 +28,15 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from ..plugins.compiled import CompiledKernel
 from .tuning import interleaved_medians
+
+KERNEL = CompiledKernel(Path(__file__).with_name("draft_length.cpp"), "dflash_draft_length",
+                        "compiled draft-length policy", "the adaptive draft length runs in Python")
 
 SOURCES = ("neural", "suffix")
 
@@ -217,13 +226,18 @@ class AdaptiveDraftLength:
             found = self.choices[source][shape] = (best(self.least), probe, max(self.explore_every, extra))
         return found
 
-    def truncate(self, confidences: list[list[float]], most: int, suffix_keys: Sequence[float] = ()) -> int:
+    def truncate(self, confidences: torch.Tensor | list[list[float]], most: int,
+                 suffix_keys: Sequence[float] = (), rows: list[int] | None = None) -> int:
         """After a drafter step: how many of the `most` drafts to verify, K in [1, most], the argmax of
         expected tokens / cost["neural"][K] where each neural row's acceptance follows its drafts'
-        confidences (`ConfidenceCalibration`) and each row of suffix drafts (one per key in `suffix_keys`)
-        follows the suffix source's estimates. Lossless like any K: it depends on the drafter's distributions and
-        the committed tokens only, never on the target's verdict or the tokens drawn. Replaces the step's K in
-        `chosen`."""
+        confidences [b, >= most] (`ConfidenceCalibration`; `rows`: the batch's rows that took the drafter's drafts,
+        default all) and each row of suffix drafts (one per key in `suffix_keys`) follows the suffix source's
+        estimates. Lossless like any K: it depends on the drafter's distributions and the committed tokens only, never
+        on the target's verdict or the tokens drawn. Replaces the step's K in `chosen`."""
+        if isinstance(confidences, torch.Tensor):
+            confidences = confidences.tolist()
+        if rows is not None:
+            confidences = [confidences[i] for i in rows]
         most = min(most, self.most["neural"])
         expected = [0.0] * (most + 1)
         rows = [self.calibration.expected_tokens(row[:most]) for row in confidences]
@@ -248,6 +262,36 @@ class AdaptiveDraftLength:
             return
         for bucket in sorted(set(buckets)):
             self.estimates[source][bucket].observe(num_drafts, [a for a, b in zip(num_accepted, buckets) if b == bucket])
+
+
+    def observe_drafter(self, num_drafts: int, num_accepted: list[int], confidences: torch.Tensor,
+                        rows: list[int] | None = None) -> None:
+        """A drafter step: `observe("neural", ...)` and the calibration of the drafts' confidences [b, num_drafts],
+        for the batch's `rows` that took the drafter's drafts (default: all; `num_accepted` is the batch's)."""
+        table = confidences.tolist() if num_drafts else []
+        if rows is not None:
+            num_accepted, table = [num_accepted[i] for i in rows], [table[i] for i in rows]
+        if not (num_drafts and num_accepted):
+            return
+        self.observe("neural", num_drafts, num_accepted)
+        self.calibration.observe(table, num_accepted)
+
+
+def adaptive_draft_length(costs: dict[str, list[float]], least: int = 0, decay: float = 0.9,
+                          priors: dict[str, float] | None = None, explore_every: int = 8, explore_share: float = 0.05,
+                          key_edges: dict[str, Sequence[float]] | None = None):
+    """The adaptive policy (`AdaptiveDraftLength`'s arguments and methods): compiled (`draft_length.cpp`, the same
+    choices step for step) where the project's C++ kernels build, else `AdaptiveDraftLength`. The Python policy's
+    list work ran cold after every target step, ~5% of the default's time at batch 1 (docs/benchmarks.md, round 30)."""
+    module = KERNEL.module()
+    if module is None:
+        return AdaptiveDraftLength(costs, least=least, decay=decay, priors=priors, explore_every=explore_every,
+                                   explore_share=explore_share, key_edges=key_edges)
+    priors = SOURCE_PRIORS if priors is None else priors
+    edges = KEY_EDGES if key_edges is None else key_edges
+    return module.Policy({source: list(row) for source, row in costs.items()}, least, decay,
+                         {source: priors[source] for source in costs}, explore_every, explore_share,
+                         {source: [float(e) for e in edges.get(source, ())] for source in costs})
 
 
 def format_costs(costs: dict[str, list[float]]) -> str:

@@ -55,9 +55,9 @@ class DFlashProposer:
     Invariants: after `propose`, the draft cache holds context K/V for positions [0, s) of each
     request (s = anchor position); the anchor reaches the drafter only through its embedding;
     `commit` queues the verify features of the anchor and the accepted drafts for the next call.
-    With a `policy` (`AdaptiveDraftLength`) each step first decides whether to draft at all; a drafter
-    step drafts the whole block (at most the loop's K) and verifies as many drafts as their confidences
-    pay for (`AdaptiveDraftLength.truncate`).
+    With a `policy` (`adaptive_draft_length`: compiled, or `AdaptiveDraftLength`) each step first decides whether to
+    draft at all; a drafter step drafts the whole block (at most the loop's K) and verifies as many drafts as their
+    confidences pay for (`AdaptiveDraftLength.truncate`).
     With `matmul_dtype` (e.g. bfloat16) the GEMMs of the drafter step -- the context projection, the
     layers and the draft logits from a copy of the target's LM head -- run in the dtype `gemm_dtype`
     gives each (bf16: the LM head, 4 MB in float32, and the rest in fbgemm's float16 where it runs,
@@ -148,7 +148,7 @@ class DFlashProposer:
             return anchors[:, None], None
         block, q = self.draft(anchors, anchor_positions, num_drafts, params, generator)
         if self.policy is not None:  # the whole block is drafted; its confidences say how much to verify
-            block, q = self.keep_first(self.policy.truncate(self.confidence.tolist(), num_drafts), block, q)
+            block, q = self.keep_first(self.policy.truncate(self.confidence, num_drafts), block, q)
         return block, q
 
     def keep_first(self, k: int, block: torch.Tensor,
@@ -207,11 +207,8 @@ class DFlashProposer:
         chunks, packed once when taken, since re-packing it every step cost 7% of such a step at batch 4. A chunk
         keeps num_accepted as it is, the index of its rows' last committed entry: the count, num_accepted + 1, an
         op that ran cold every step, is made once when the queue is taken (`pack_ragged`)."""
-        if self.policy is not None:
-            kept = num_accepted.tolist()
-            self.policy.observe("neural", features.shape[1] - 1, kept)
-            if features.shape[1] > 1:  # a step that verified drafts (the drafter's)
-                self.policy.calibration.observe(self.confidence.tolist(), kept)
+        if self.policy is not None and features.shape[1] > 1:  # a step that verified drafts (the drafter's)
+            self.policy.observe_drafter(features.shape[1] - 1, num_accepted.tolist(), self.confidence)
         self.pending.append((features, num_accepted))
 
     def keep_rows(self, rows):
@@ -378,8 +375,9 @@ class SuffixDFlashProposer:
             if q is not None:
                 q[rows] = torch.nn.functional.one_hot(suffix, q.shape[-1]).to(q.dtype)
         if self.policy is not None:
-            confidence = self.dflash.confidence.tolist()
-            k = self.policy.truncate([confidence[i] for i in self.neural_rows()], num_drafts, self.suffix_keys())
+            neural = self.neural_rows()
+            k = self.policy.truncate(self.dflash.confidence, num_drafts, self.suffix_keys(),
+                                     None if len(neural) == len(lengths) else neural)
             block, q = self.dflash.keep_first(k, block, q)
         return block, q
 
@@ -398,9 +396,9 @@ class SuffixDFlashProposer:
             if any(rows):
                 self.policy.observe("suffix", drafts, [a for a, row in zip(kept, rows) if row], self.suffix_keys())
             if not all(rows):  # the drafter's step
-                neural, confidence = self.neural_rows(), self.dflash.confidence.tolist()
-                self.policy.observe("neural", drafts, [kept[i] for i in neural])
-                self.policy.calibration.observe([confidence[i] for i in neural], [kept[i] for i in neural])
+                neural = self.neural_rows()
+                self.policy.observe_drafter(drafts, kept, self.dflash.confidence,
+                                            None if len(neural) == len(rows) else neural)
         self.dflash.commit(features, num_accepted)
 
     def keep_rows(self, rows):
