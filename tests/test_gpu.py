@@ -163,6 +163,14 @@ def _heldout_token_prompts(target_dir, count):
     return [tokenizer.encode(p) for p in heldout_prompts(count)]
 
 
+@torch.no_grad()
+def _greedy_generate(hf, prompts, max_new_tokens):
+    """transformers' greedy `generate` of each prompt alone on CUDA: the tokens the runtime must reproduce."""
+    return [hf.generate(torch.tensor([p], device=CUDA), attention_mask=torch.ones(1, len(p), device=CUDA,
+                        dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
 def test_drafter_plugin_switch_on_cuda(embedded_on_cuda):
     from draft_block_cases import drafter_plain_and_plugin
 
@@ -180,10 +188,7 @@ def test_reference_runtime_lossless_on_cuda(embedded_on_cuda, batch_size, use_pl
 
     hf, target, drafter, target_dir = embedded_on_cuda
     prompts = _heldout_token_prompts(target_dir, 8)
-    with torch.no_grad():
-        expected = [hf.generate(torch.tensor([p], device=CUDA), attention_mask=torch.ones(1, len(p), device=CUDA,
-                                dtype=torch.long), max_new_tokens=48, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    expected = _greedy_generate(hf, prompts, 48)
     params = SamplingParams(max_tokens=48)
     drafter.use_plugin = use_plugin
     try:
@@ -206,10 +211,7 @@ def test_the_adaptive_policy_reads_cuda_confidences(embedded_on_cuda):
 
     hf, target, drafter, target_dir = embedded_on_cuda
     prompts = _heldout_token_prompts(target_dir, 4)
-    with torch.no_grad():
-        expected = [hf.generate(torch.tensor([p], device=CUDA), attention_mask=torch.ones(1, len(p), device=CUDA,
-                                dtype=torch.long), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    expected = _greedy_generate(hf, prompts, 32)
     cheap = [1.0 + 0.05 * k for k in range(16)]  # drafting nearly free: drafter steps happen
     policy = adaptive_draft_length({"neural": cheap[:8], "suffix": cheap})
     proposer = SuffixDFlashProposer(DFlashProposer(drafter, target), policy=policy, max_suffix_drafts=15)
