@@ -1,7 +1,8 @@
 // draft_length.py's `AdaptiveDraftLength` compiled (draft_length.py `adaptive_draft_length` builds and loads this
 // file): the same estimates, updated in the same order of float64 operations, so the same choices step for step
-// (tests/test_runtime_hybrid.py replays random steps through both). Compiled because the Python policy's list work ran
-// cold after every target step: ~5% of the default's time at batch 1 (docs/benchmarks.md, round 30).
+// (tests/test_draft_length.py replays random steps through both). Compiled because the Python policy's list work ran
+// cold after every target step: ~5% of the default's time at batch 1, where the default then ran 1.02x as fast
+// (docs/benchmarks.md, round 30).
 
 #include <torch/extension.h>
 

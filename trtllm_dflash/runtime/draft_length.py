@@ -263,7 +263,6 @@ class AdaptiveDraftLength:
         for bucket in sorted(set(buckets)):
             self.estimates[source][bucket].observe(num_drafts, [a for a, b in zip(num_accepted, buckets) if b == bucket])
 
-
     def observe_drafter(self, num_drafts: int, num_accepted: list[int], confidences: torch.Tensor,
                         rows: list[int] | None = None) -> None:
         """A drafter step: `observe("neural", ...)` and the calibration of the drafts' confidences [b, num_drafts],
@@ -282,7 +281,8 @@ def adaptive_draft_length(costs: dict[str, list[float]], least: int = 0, decay: 
                           key_edges: dict[str, Sequence[float]] | None = None):
     """The adaptive policy (`AdaptiveDraftLength`'s arguments and methods): compiled (`draft_length.cpp`, the same
     choices step for step) where the project's C++ kernels build, else `AdaptiveDraftLength`. The Python policy's
-    list work ran cold after every target step, ~5% of the default's time at batch 1 (docs/benchmarks.md, round 30)."""
+    list work ran cold after every target step, ~5% of the default's time at batch 1; compiled, the default ran 1.02x
+    as fast there (docs/benchmarks.md, round 30)."""
     module = KERNEL.module()
     if module is None:
         return AdaptiveDraftLength(costs, least=least, decay=decay, priors=priors, explore_every=explore_every,
