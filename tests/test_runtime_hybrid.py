@@ -109,6 +109,7 @@ def test_compiled_indexes_refuse_a_history_that_is_not_lists():
     with pytest.raises(RuntimeError, match="one row per index"):
         indexes.match([[1], [2]])
 
+
 class RecordingHybrid(SuffixDFlashProposer):
     """Keeps which rows took suffix drafts at every step, and how many drafts the step verified."""
 
