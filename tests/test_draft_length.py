@@ -248,3 +248,8 @@ def test_the_compiled_policy_refuses_what_it_cannot_answer():
         policy.truncate(torch.ones(1, 2), 2)
     with pytest.raises(RuntimeError, match=r"a tensor \[rows, K\]"):
         policy.truncate(torch.ones(2), 2)
+    policy.choose("neural", 2)
+    with pytest.raises(RuntimeError, match="row 3 is outside the batch of 2"):
+        policy.truncate(torch.ones(2, 2), 2, [], [3])
+    with pytest.raises(RuntimeError, match="row 2 is outside the batch of 2"):
+        policy.observe_drafter(2, [1, 1], torch.ones(2, 2), [0, 2])

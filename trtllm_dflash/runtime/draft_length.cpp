@@ -118,6 +118,7 @@ class Policy {
       source.costs = row;
       const auto edges = key_edges.find(name);
       if (edges != key_edges.end()) source.edges = edges->second;
+      TORCH_CHECK(source.edges.size() < 62, "at most 61 key edges a source (its buckets are bits of a mask)");
       for (size_t b = 0; b <= source.edges.size(); ++b)
         source.estimates.emplace_back(static_cast<int64_t>(row.size()) - 1, decay, priors.at(name), 1.0);
       present_[index(name)] = true;
@@ -158,7 +159,9 @@ class Policy {
     most = std::min(most, static_cast<int64_t>(neural.costs.size()) - 1);
     std::vector<double> expected(most + 1, 0.0);
     const torch::Tensor table = checked(confidences);
-    for (const int64_t r : rows ? *rows : all_rows(table.size(0)))
+    const std::vector<int64_t> picked = rows ? *rows : all_rows(table.size(0));
+    check_rows(picked, table.size(0));
+    for (const int64_t r : picked)
       calibration_.add_expected(table.data_ptr<float>() + r * table.stride(0), std::min(most, table.size(1)),
                                 expected);
     if (!suffix_keys.empty()) {
@@ -199,11 +202,12 @@ class Policy {
                        const std::optional<std::vector<int64_t>>& rows) {
     if (!num_drafts || num_accepted.empty()) return;
     const std::vector<int64_t> picked = rows ? *rows : all_rows(static_cast<int64_t>(num_accepted.size()));
+    const torch::Tensor table = checked(confidences);
+    check_rows(picked, std::min(table.size(0), static_cast<int64_t>(num_accepted.size())));
     std::vector<int64_t> kept;
     for (const int64_t r : picked) kept.push_back(num_accepted[r]);
     if (kept.empty()) return;
     observe("neural", num_drafts, kept, std::nullopt);
-    const torch::Tensor table = checked(confidences);
     calibration_.observe(table.data_ptr<float>(), table.stride(0), picked, table.size(1), kept);
   }
 
@@ -229,6 +233,10 @@ class Policy {
 
  private:
   static int index(const std::string& name) { return name == "suffix" ? 1 : 0; }
+
+  static void check_rows(const std::vector<int64_t>& rows, int64_t count) {
+    for (const int64_t r : rows) TORCH_CHECK(r >= 0 && r < count, "row ", r, " is outside the batch of ", count);
+  }
 
   static std::vector<int64_t> all_rows(int64_t count) {
     std::vector<int64_t> rows(count);
