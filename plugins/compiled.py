@@ -8,6 +8,7 @@ returns None and its caller runs its torch formulation; `unavailable_reason()` s
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -75,11 +76,17 @@ class CompiledKernel:
             from torch.utils.cpp_extension import load
 
             directory, name = self.build_directory(), self.build_name()
-            if not (directory / f"{name}.so").is_file():  # the one slow start a machine sees: say so
-                print(f"building the {self.what} in {directory} (once per machine, about 20 s)", file=sys.stderr,
-                      flush=True)
-            module = load(name, [str(self.source)], extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
-                          build_directory=str(directory), verbose=False)
+            # torch's loader marks a build with a `lock` file and waits, forever, while one exists: a build killed
+            # mid-way (Ctrl-C in the first run's 20 s) left every later start hanging. Builds here first take an
+            # flock, which the OS releases with its process, so a `lock` seen while holding it is a dead build's.
+            with open(directory / "build.flock", "w") as guard:
+                fcntl.flock(guard, fcntl.LOCK_EX)
+                (directory / "lock").unlink(missing_ok=True)
+                if not (directory / f"{name}.so").is_file():  # the one slow start a machine sees: say so
+                    print(f"building the {self.what} in {directory} (once per machine, about 20 s)", file=sys.stderr,
+                          flush=True)
+                module = load(name, [str(self.source)], extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                              build_directory=str(directory), verbose=False)
         except Exception as exc:  # a missing compiler or ninja surfaces as RuntimeError, OSError, or a build error
             text = str(exc).strip()
             self.failure = f"{type(exc).__name__}: {text.splitlines()[-1] if text else exc}"

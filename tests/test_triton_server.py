@@ -366,6 +366,7 @@ def test_a_killed_stub_fails_the_request_in_flight_and_dflash_serve_exits_1(serv
             outcome["error"] = repr(exc)
         outcome["after_s"] = time.monotonic() - start
 
+    generate(server, PROMPTS[0])  # the stub has loaded its kernels: the kill lands in decoding, not in a build
     client = threading.Thread(target=long_request)
     client.start()
     # well inside the request: the server decodes ~2,000-2,400 tok/s here (docs/benchmarks.md, round 30), so 4,000
