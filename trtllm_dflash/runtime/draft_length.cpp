@@ -48,8 +48,6 @@ class Estimate {
     return expected_;
   }
 
-  const std::vector<double>& trials() const { return trials_; }
-
  private:
   double decay_, prior_, prior_weight_;
   std::vector<double> accepted_, trials_, expected_;

@@ -375,9 +375,7 @@ class SuffixDFlashProposer:
             if q is not None:
                 q[rows] = torch.nn.functional.one_hot(suffix, q.shape[-1]).to(q.dtype)
         if self.policy is not None:
-            neural = self.neural_rows()
-            k = self.policy.truncate(self.dflash.confidence, num_drafts, self.suffix_keys(),
-                                     None if len(neural) == len(lengths) else neural)
+            k = self.policy.truncate(self.dflash.confidence, num_drafts, self.suffix_keys(), self.neural_rows())
             block, q = self.dflash.keep_first(k, block, q)
         return block, q
 
@@ -396,9 +394,7 @@ class SuffixDFlashProposer:
             if any(rows):
                 self.policy.observe("suffix", drafts, [a for a, row in zip(kept, rows) if row], self.suffix_keys())
             if not all(rows):  # the drafter's step
-                neural = self.neural_rows()
-                self.policy.observe_drafter(drafts, kept, self.dflash.confidence,
-                                            None if len(neural) == len(rows) else neural)
+                self.policy.observe_drafter(drafts, kept, self.dflash.confidence, self.neural_rows())
         self.dflash.commit(features, num_accepted)
 
     def keep_rows(self, rows):
