@@ -1,12 +1,14 @@
 """Tokens/s and time per output token through a real Triton server (dflash-serve), DFlash vs AR.
 
-Starts two dflash-serve processes on loopback ports (the engine with DFlash, and --autoregressive),
+Starts two dflash-serve processes on loopback ports (the engine with DFlash, and --autoregressive), each
+with every `--batching` asked for (`dflash-serve --batching`; rows named mode-batching when there are several),
 then, interleaved round by round, sends 16 streaming greedy requests (HTTP generate_stream) at
-each concurrency to each. Per level: aggregate output tokens/s (median and range over rounds) and
+each concurrency to each. Per level: aggregate output tokens/s (median and range over rounds),
 p50/p99 time per output token, per request: (last event - first event) / (tokens after the first
-event), as the client sees it. Run it in the serve venv (pip install -e '.[serve]'):
+event), and p50/p99 time to the first event, as the client sees them. Run it in the serve venv
+(pip install -e '.[serve]'):
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_triton_server.py [ENGINE_DIR] --rounds 3
+    OMP_NUM_THREADS=1 python benchmarks/bench_triton_server.py [ENGINE_DIR] --rounds 3 [--batching inflight,static]
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ from trtllm_dflash.embedded import heldout_prompts
 from trtllm_dflash.triton.server import free_port
 
 
-def start(engine: str | None, autoregressive: bool) -> tuple[subprocess.Popen, str]:
+def start(engine: str | None, autoregressive: bool, batching: str) -> tuple[subprocess.Popen, str]:
     http, grpc = free_port(), free_port()
     command = [str(Path(sys.executable).parent / "dflash-serve"), *([engine] if engine else []),
                "--http-port", str(http), "--grpc-port", str(grpc), "--backend", "reference", "--device", "cpu",
-               "--log", "error", *(["--autoregressive"] if autoregressive else [])]
+               "--batching", batching, "--log", "error", *(["--autoregressive"] if autoregressive else [])]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     for line in process.stderr:
         if line.startswith("ready:"):
@@ -40,10 +42,11 @@ def start(engine: str | None, autoregressive: bool) -> tuple[subprocess.Popen, s
     raise SystemExit(f"dflash-serve exited with {process.wait()}")
 
 
-def stream(url: str, prompt: str, max_tokens: int) -> tuple[int, float | None]:
-    """-> (output tokens, time per output token after the first event)."""
+def stream(url: str, prompt: str, max_tokens: int) -> tuple[int, float | None, float]:
+    """-> (output tokens, time per output token after the first event, time to the first event)."""
     body = json.dumps({"text_input": prompt, "sampling_param_max_tokens": max_tokens, "streaming": True}).encode()
     times, tokens, first = [], 0, 0
+    sent = time.perf_counter()
     with urllib.request.urlopen(urllib.request.Request(f"{url}/v2/models/dflash/generate_stream", body),
                                 timeout=600) as response:
         for line in response:
@@ -59,12 +62,12 @@ def stream(url: str, prompt: str, max_tokens: int) -> tuple[int, float | None]:
                 tokens += count
                 first = first or count
     after = tokens - first
-    return tokens, (times[-1] - times[0]) / after if after > 0 else None
+    return tokens, (times[-1] - times[0]) / after if after > 0 else None, times[0] - sent
 
 
-def level(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[float, list[float]]:
-    """All prompts with `concurrency` in flight -> (aggregate tokens/s, per-request TPOTs)."""
-    pending, lock, totals, tpots = list(prompts), threading.Lock(), [0], []
+def level(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[float, list[float], list[float]]:
+    """All prompts with `concurrency` in flight -> (aggregate tokens/s, per-request TPOTs, per-request TTFTs)."""
+    pending, lock, totals, tpots, ttfts = list(prompts), threading.Lock(), [0], [], []
 
     def worker():
         while True:
@@ -72,9 +75,10 @@ def level(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> tu
                 if not pending:
                     return
                 prompt = pending.pop(0)
-            tokens, tpot = stream(url, prompt, max_tokens)
+            tokens, tpot, ttft = stream(url, prompt, max_tokens)
             with lock:
                 totals[0] += tokens
+                ttfts.append(ttft)
                 if tpot is not None:
                     tpots.append(tpot)
 
@@ -84,7 +88,7 @@ def level(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> tu
         thread.start()
     for thread in threads:
         thread.join()
-    return totals[0] / (time.perf_counter() - begin), tpots
+    return totals[0] / (time.perf_counter() - begin), tpots, ttfts
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -99,37 +103,45 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batching", default="inflight", help="dflash-serve --batching values, comma-separated")
     parser.add_argument("--json", type=Path, help="Also write the results here.")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the servers inherit a fixed thread count
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = (heldout_prompts() * args.requests)[: args.requests]
-    servers = {mode: start(args.engine, mode == "ar") for mode in ("dflash", "ar")}
+    batchings = args.batching.split(",")
+    servers = {mode if len(batchings) == 1 else f"{mode}-{batching}": start(args.engine, mode == "ar", batching)
+               for batching in batchings for mode in ("dflash", "ar")}
     try:
         for _, url in servers.values():  # warm-up: first calls pay one-time costs
             level(url, prompts[:2], 2, 8)
         rates = {(m, c): [] for m in servers for c in levels}
         tpots = {(m, c): [] for m in servers for c in levels}
+        ttfts = {(m, c): [] for m in servers for c in levels}
         for _ in range(args.rounds):
             for concurrency in levels:
                 for mode, (_, url) in servers.items():  # interleaved: both see the same machine load
-                    rate, per_request = level(url, prompts, concurrency, args.max_tokens)
+                    rate, per_request, first_events = level(url, prompts, concurrency, args.max_tokens)
                     rates[mode, concurrency].append(rate)
                     tpots[mode, concurrency] += per_request
+                    ttfts[mode, concurrency] += first_events
     finally:
         for process, _ in servers.values():
             process.send_signal(signal.SIGTERM)
             process.wait(30)
     rows = []
-    print("| mode | concurrency | tokens/s median (min-max) | TPOT p50 ms | TPOT p99 ms |")
-    print("|---|---|---|---|---|")
+    print("| mode | concurrency | tokens/s median (min-max) | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | TTFT p99 ms |")
+    print("|---|---|---|---|---|---|---|")
     for (mode, concurrency), values in rates.items():
         row = {"mode": mode, "concurrency": concurrency, "tokens_per_s": values,
                "tpot_p50_ms": 1e3 * percentile(tpots[mode, concurrency], 0.5),
-               "tpot_p99_ms": 1e3 * percentile(tpots[mode, concurrency], 0.99)}
+               "tpot_p99_ms": 1e3 * percentile(tpots[mode, concurrency], 0.99),
+               "ttft_p50_ms": 1e3 * percentile(ttfts[mode, concurrency], 0.5),
+               "ttft_p99_ms": 1e3 * percentile(ttfts[mode, concurrency], 0.99)}
         rows.append(row)
         print(f"| {mode} | {concurrency} | {statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f}) "
-              f"| {row['tpot_p50_ms']:.2f} | {row['tpot_p99_ms']:.2f} |")
+              f"| {row['tpot_p50_ms']:.2f} | {row['tpot_p99_ms']:.2f} | {row['ttft_p50_ms']:.1f} "
+              f"| {row['ttft_p99_ms']:.1f} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -65,6 +65,9 @@ def stub_pids(server_pid: int) -> set[int]:
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (reference backend).")
 @click.option("--autoregressive", is_flag=True,
               help="Serve the target alone: the baseline DFlash is measured against (reference backend).")
+@click.option("--batching", type=click.Choice(["inflight", "static"]), default="inflight", show_default=True,
+              help="The reference backend's batching: inflight (a request that arrives while a batch runs joins it at "
+                   "its next step) or static (it waits for the batch to end). TensorRT-LLM batches in flight itself.")
 @click.option("--tritonserver", "server_choice", default="auto", show_default=True,
               help="auto (system tritonserver, else the nvidia-pytriton one), bundled, or a binary's path.")
 @click.option("--log", "log_level", type=click.Choice(["error", "warning", "info", "verbose"]), default="info",
@@ -72,8 +75,8 @@ def stub_pids(server_pid: int) -> set[int]:
 @click.option("--startup-timeout", default=300.0, show_default=True, help="Seconds to wait for the model.")
 @click.option("--verify", is_flag=True, help="Check every file of ENGINE_DIR against its sha256 first.")
 @clean_errors
-def main(engine_dir, host, http_port, grpc_port, model_name, backend, device, autoregressive, server_choice,
-         log_level, startup_timeout, verify):
+def main(engine_dir, host, http_port, grpc_port, model_name, backend, device, autoregressive, batching,
+         server_choice, log_level, startup_timeout, verify):
     """Serve ENGINE_DIR (default: the embedded engine) with Triton Inference Server until Ctrl-C."""
     from trtllm_dflash.runtime.interface import choose_backend
     from trtllm_dflash.triton import server as triton
@@ -85,6 +88,9 @@ def main(engine_dir, host, http_port, grpc_port, model_name, backend, device, au
     if autoregressive and chosen != "reference":
         raise InputError("the autoregressive baseline runs on the reference backend; add --backend reference.",
                          field="--autoregressive")
+    if batching == "static" and chosen != "reference":
+        raise InputError("static batching is the reference backend's; TensorRT-LLM batches in flight. Add --backend "
+                         "reference.", field="--batching")
     if chosen == "reference":
         resolve_device(device)
     install = triton.find_server(server_choice)
@@ -97,8 +103,9 @@ def main(engine_dir, host, http_port, grpc_port, model_name, backend, device, au
     options = triton.ServerOptions(work / "models", host, http_port, grpc_port, log_level)
     process, code = None, 0
     try:
+        run = ModelParameters(backend, device, "off" if autoregressive else "dflash", batching)
         write_model_repository(options.repository, str(engine.root), engine.llm_api_options(), engine.root,
-                               model_name, ModelParameters(backend, device, "off" if autoregressive else "dflash"))
+                               model_name, run)
         backends = triton.assemble_backends(install, work / "backends")
         click.echo(f"dflash-serve: {engine.root} on {install.binary} (backend {chosen}: {reason})", err=True)
         process = triton.TritonProcess(triton.server_command(install, backends, options),

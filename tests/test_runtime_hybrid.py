@@ -125,21 +125,6 @@ class RecordingHybrid(SuffixDFlashProposer):
         return block, q
 
 
-@pytest.fixture(scope="module")
-def random_pair():
-    config = tiny_target_config(vocab_size=24, eos_token_id=23)
-    hf = random_target(config, 31).float()
-    drafter = random_drafter(drafter_config_for(config, block_size=4), 32)
-    gen = torch.Generator().manual_seed(33)
-    lengths = torch.randint(2, 30, (16,), generator=gen).tolist()
-    prompts = [torch.randint(0, 23, (n,), generator=gen).tolist() for n in lengths]
-    with torch.no_grad():
-        expected = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                max_new_tokens=24, do_sample=False, eos_token_id=None,
-                                pad_token_id=config.pad_token_id)[0, len(p):].tolist() for p in prompts]
-    return GptOssTarget(hf), drafter, prompts, expected
-
-
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 def test_hybrid_greedy_matches_generate_with_mixed_rows(random_pair, batch_size):
     target, drafter, prompts, expected = random_pair
@@ -151,23 +136,6 @@ def test_hybrid_greedy_matches_generate_with_mixed_rows(random_pair, batch_size)
     assert 0 < suffix_steps < sum(r.stats.steps for r in results)  # both sources were used
     if batch_size > 1:
         assert any(any(step) and not all(step) for step in proposer.steps), "no step mixed suffix and neural rows"
-
-
-@pytest.fixture(scope="module")
-def embedded_pair():
-    from trtllm_dflash.checkpoints.gpt_oss import load_hf_gpt_oss
-    from trtllm_dflash.embedded import heldout_prompts, pair_paths
-    from trtllm_dflash.models.drafter import load_drafter
-    from trtllm_dflash.prompts import prompt_token_ids
-
-    target_dir, drafter_dir = pair_paths()
-    hf = load_hf_gpt_oss(target_dir, torch.device("cpu"), torch.float32)
-    prompts = prompt_token_ids(heldout_prompts(8), target_dir)
-    with torch.no_grad():
-        expected = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                max_new_tokens=32, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    return GptOssTarget(hf), load_drafter(drafter_dir, torch.device("cpu"), torch.float32), prompts, expected
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])

@@ -43,10 +43,11 @@ def setup(request):
     return target, drafter, prompts, expected
 
 
+@pytest.mark.parametrize("inflight", [False, True], ids=["static", "inflight"])
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
-def test_speculative_greedy_matches_transformers_generate(setup, batch_size):
+def test_speculative_greedy_matches_transformers_generate(setup, batch_size, inflight):
     target, drafter, prompts, expected = setup
-    runtime = ReferenceRuntime(target, DFlashProposer(drafter, target))
+    runtime = ReferenceRuntime(target, DFlashProposer(drafter, target), inflight=inflight)
     results = runtime.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), batch_size=batch_size)
     mismatches = [i for i, (r, e) in enumerate(zip(results, expected)) if r.output_token_ids != e]
     assert not mismatches, f"{len(mismatches)} of {len(prompts)} prompts differ, first: {mismatches[0]}"

@@ -65,13 +65,16 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2))
 
 
-def speculative_counts(target, drafter, params_for_seed, proposer=None) -> tuple[torch.Tensor, list[int], int]:
-    """-> (counts of (t2, t3), acceptance histogram, steps whose drafts came from the suffix index)."""
+def speculative_counts(target, drafter, params_for_seed, proposer=None,
+                       inflight_batch: int | None = None) -> tuple[torch.Tensor, list[int], int]:
+    """-> (counts of (t2, t3), acceptance histogram, steps whose drafts came from the suffix index). With
+    `inflight_batch`, in-flight batches of that many rows instead of one static batch of all samples."""
     counts = torch.zeros(VOCAB, VOCAB)
     histogram, suffix_steps = [0] * 16, 0  # wide enough for any block here (zip stops at the request's)
-    runtime = ReferenceRuntime(target, proposer or DFlashProposer(drafter, target))
+    runtime = ReferenceRuntime(target, proposer or DFlashProposer(drafter, target), inflight=inflight_batch is not None)
     for seed in range(SEEDS):
-        results = runtime.generate([PROMPT] * SAMPLES_PER_SEED, params_for_seed(seed), batch_size=SAMPLES_PER_SEED)
+        results = runtime.generate([PROMPT] * SAMPLES_PER_SEED, params_for_seed(seed),
+                                   batch_size=inflight_batch or SAMPLES_PER_SEED)
         for result in results:
             counts[result.output_token_ids[1], result.output_token_ids[2]] += 1
             histogram[: len(result.stats.accepted_histogram)] = [
@@ -105,6 +108,21 @@ def test_hybrid_samples_follow_target_distribution(pair, max_suffix_drafts):
     assert histogram[0] > 0 and sum(histogram[1:]) > 0, "both acceptance and rejection must be exercised"
     p_value = chi_square_p_value(counts, exact_joint(hf, params(0)))
     assert p_value > ALPHA, f"dflash-sa samples deviate from the target distribution (p = {p_value:.2e})"
+
+
+def test_inflight_batching_samples_follow_target_distribution(pair):
+    """dflash-sa at T=0.7 in in-flight batches of 40 rows: requests accept different numbers of drafts, so they finish
+    at different steps and newcomers are prefilled into their rows while the others decode, all on one random
+    stream."""
+    hf, target, drafter = pair
+    def params(seed):
+        return SamplingParams(max_tokens=3, temperature=0.7, seed=seed)
+    hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target), threshold=1)
+    counts, histogram, suffix_steps = speculative_counts(target, drafter, params, hybrid, inflight_batch=40)
+    assert 0 < suffix_steps < sum(histogram), "both suffix and drafter steps must be exercised"
+    assert histogram[0] > 0 and sum(histogram[1:]) > 0, "both acceptance and rejection must be exercised"
+    p_value = chi_square_p_value(counts, exact_joint(hf, params(0)))
+    assert p_value > ALPHA, f"in-flight samples deviate from the target distribution (p = {p_value:.2e})"
 
 
 @pytest.mark.parametrize("neural_costs,narrow", [

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import sys
 import threading
+import time
 import types
 
 import numpy as np
@@ -285,6 +286,10 @@ def test_malformed_requests_get_error_responses_and_the_batch_goes_on(model, mon
     def crash(*args, **kwargs):
         raise RuntimeError("CUDA out of memory")
 
+    # the batch ends a step after its last answer; a request sent before that would join it (in-flight batching)
+    deadline = time.monotonic() + 30
+    while model.scheduler.running and time.monotonic() < deadline:
+        time.sleep(0.01)
     monkeypatch.setattr(model.service.runtime, "generate", crash)
     failing = FakeRequest(input_ids=prompt, sampling_param_max_tokens=few)
     model.execute([failing])
@@ -424,6 +429,74 @@ def test_take_batch_keeps_arrival_order_and_runs_sampled_requests_alone():
     assert [j.request_id for j in take_batch(queue, 3)] == ["g1", "g2", "g3"]
     assert [j.request_id for j in take_batch(queue, 3)] == ["s1"]
     assert [j.request_id for j in take_batch(queue, 3)] == ["g4"] and not queue
+
+
+def arriving_during_the_first_call(model, monkeypatch, late):
+    """Wrap the runtime's `generate`: the `late` requests arrive right after the first call's first streamed tokens
+    (as clients do while a batch runs). -> the prompt count of each call."""
+    calls = []
+    generate = model.service.runtime.generate
+
+    def wrapped(prompts, params, batch_size, on_tokens, **hooks):
+        calls.append(len(prompts))
+        sent = []
+
+        def arrive_then_stream(request, tokens):
+            if len(calls) == 1 and not sent:
+                sent.append(True)
+                model.execute(late)
+            on_tokens(request, tokens)
+
+        return generate(prompts, params, batch_size, arrive_then_stream, **hooks)
+
+    monkeypatch.setattr(model.service.runtime, "generate", wrapped)
+    return calls
+
+
+def test_requests_arriving_mid_batch_join_it_at_the_next_step(built, model, monkeypatch):
+    """In-flight batching: two requests that arrive while the first decodes join its `generate` call; each gets the
+    target's own tokens within its own limit."""
+    first = request(30, streaming=np.array([True]))
+    late = [request(12, input_ids=ids([87, 111, 114, 108, 100])), request(5, input_ids=ids([84, 104, 101]))]
+    calls = arriving_during_the_first_call(model, monkeypatch, late)
+    model.execute([first])
+    assert joined(first.responses()) == baseline_ids(built, PROMPT, 30)
+    for req, prompt, limit in zip(late, ([87, 111, 114, 108, 100], [84, 104, 101]), (12, 5)):
+        assert joined(req.responses()) == baseline_ids(built, prompt, limit)
+    assert calls == [1]  # one call: the late requests joined it
+
+
+def test_a_request_that_does_not_fit_the_running_batch_leads_the_next(built, model, monkeypatch):
+    """More tokens than the running batch decodes, or sampling: such a request waits for the batch to end, and so
+    does every request behind it (first come, first served; the next batch is formed by `take_batch`)."""
+    first = request(8)
+    longer, behind = request(20), request(4)
+    sampled = request(6, sampling_param_temperature=np.array([0.7], dtype=np.float32))
+    calls = arriving_during_the_first_call(model, monkeypatch, [longer, sampled, behind])
+    model.execute([first])
+    assert joined(first.responses()) == baseline_ids(built, PROMPT, 8)
+    assert joined(longer.responses()) == baseline_ids(built, PROMPT, 20)
+    assert joined(behind.responses()) == baseline_ids(built, PROMPT, 4)
+    assert len(joined(sampled.responses())) == 6
+    assert calls == [1, 2, 1]  # the next batch takes the greedy ones (`take_batch`), the sampled one runs alone
+
+
+def test_take_joining_takes_from_the_front_while_each_fits():
+    from collections import deque
+
+    from trtllm_dflash.triton.llmapi import RequestSpec
+    from trtllm_dflash.triton.scheduler import take_joining
+    from trtllm_dflash.triton.service import Job
+
+    def job(name, max_tokens):
+        return Job(RequestSpec(None, [1], SamplingParams(max_tokens=max_tokens)), [1], None, None, request_id=name)
+
+    queue = deque([job("a", 4), job("b", 8), job("c", 30), job("d", 4)])
+    def fits(j):
+        return j.spec.params.max_tokens <= 10
+    assert [j.request_id for j in take_joining(queue, 1, fits)] == ["a"]
+    assert [j.request_id for j in take_joining(queue, 5, fits)] == ["b"]  # c does not fit: d waits behind it
+    assert [j.request_id for j in queue] == ["c", "d"]
 
 
 def test_streaming_holds_back_what_a_stop_string_or_utf8_may_still_change():

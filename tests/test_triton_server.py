@@ -71,6 +71,14 @@ def test_the_cli_reports_a_missing_binary_in_one_paragraph(tmp_path):
     assert result.output.count("\n") == 1
 
 
+def test_static_batching_on_tensorrt_llm_is_refused_by_name():
+    """TensorRT-LLM's executor batches in flight itself: `--batching static` is the reference backend's."""
+    from trtllm_dflash.cli.serve import main
+
+    result = CliRunner().invoke(main, ["--backend", "trtllm", "--batching", "static"])
+    assert result.exit_code == 2 and "--batching" in result.output and "Traceback" not in result.output
+
+
 # ---- a real server (the serve venv) ----------------------------------------------------------
 
 def serve_environment_problem() -> str | None:

@@ -30,21 +30,22 @@ def engine_speculation(engine: Engine) -> tuple[int | None, dict[int, int] | Non
 
 
 def reference_runtime(engine: Engine, device: torch.device, dtype: torch.dtype,
-                      with_drafter: bool = True) -> ReferenceRuntime:
+                      with_drafter: bool = True, inflight: bool = True) -> ReferenceRuntime:
     """DFlash with suffix-automaton drafts (dflash-sa: the engine's threshold and longest suffix draft, by default
     `default_sa_max_drafts` of its verify block) and the engine's
     max_draft_len and schedule (or the autoregressive baseline); the drafter's GEMMs and the experts'
-    storage as `dflash-run`'s --drafter-gemm-dtype auto and --expert-dtype auto (timed at batch 1)."""
+    storage as `dflash-run`'s --drafter-gemm-dtype auto and --expert-dtype auto (timed at batch 1). It serves
+    requests, so by default it batches in flight (a finished request's row goes to the next one at the next step)."""
     target = GptOssTarget(load_hf_gpt_oss(engine.target_dir, device, dtype))
     block, schedule = engine_speculation(engine)
     choose_expert_storage(target, "auto", 1, block or 8)
     if not with_drafter:
-        return ReferenceRuntime(target, None)
+        return ReferenceRuntime(target, None, inflight=inflight)
     dflash = DFlashProposer(load_drafter(engine.drafter_dir, device, dtype), target, block,
                             matmul_dtype=drafter_gemm_dtype("auto", dtype, device))
     longest = engine.sa_max_drafts or default_sa_max_drafts(dflash.block_size)
     proposer = SuffixDFlashProposer(dflash, engine.sa_threshold or DEFAULT_SA_THRESHOLD, max_suffix_drafts=longest)
-    return ReferenceRuntime(target, proposer, draft_len_schedule=schedule)
+    return ReferenceRuntime(target, proposer, draft_len_schedule=schedule, inflight=inflight)
 
 
 def engine_backend(engine: Engine, requested: str) -> tuple[str, str]:
@@ -60,12 +61,13 @@ def engine_backend(engine: Engine, requested: str) -> tuple[str, str]:
     return "reference", "the engine is reference-only (quantized drafter)"
 
 
-def engine_runtime(engine: Engine, backend: str, device: torch.device, dtype: torch.dtype) -> tuple[Runtime, str]:
+def engine_runtime(engine: Engine, backend: str, device: torch.device, dtype: torch.dtype,
+                   inflight: bool = True) -> tuple[Runtime, str]:
     """-> (runtime, why this backend): TensorRT-LLM where it is installed with a supported GPU and
-    the engine allows it."""
+    the engine allows it; `inflight`: the reference runtime's batching."""
     chosen, reason = engine_backend(engine, backend)
     if chosen == "trtllm":
         from ..runtime.trtllm import TrtllmRuntime
 
         return TrtllmRuntime(engine.root), reason
-    return reference_runtime(engine, device, dtype), reason
+    return reference_runtime(engine, device, dtype, inflight=inflight), reason

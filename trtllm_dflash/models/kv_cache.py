@@ -53,6 +53,36 @@ class KVArena:
         """The first `length` positions of every row (callers mask what a row may not see)."""
         return self.k[layer][:, :, :length], self.v[layer][:, :, :length]
 
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` positions per row (a longer request joining the batch): the arena is copied once."""
+        if capacity <= self.capacity:
+            return
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:3], capacity, old.shape[4])
+            new[:, :, :, : self.capacity] = old
+            setattr(self, name, new)
+        self.capacity = capacity
+        self.split()
+
+    def place(self, slots: list[int], other: "KVArena") -> None:
+        """`other`'s row i into row slots[i] (requests joining a running batch, the same capacity): a slot below the
+        batch size replaces a finished request's row (one row copied, not the arena), the others are appended in
+        order (slots batch, batch + 1, ...)."""
+        if other.capacity != self.capacity:
+            raise ValueError(f"cannot place rows of an arena of {other.capacity} positions in one of {self.capacity}")
+        batch = self.keys.shape[1]
+        reused = next((i for i, slot in enumerate(slots) if slot >= batch), len(slots))  # the first slots replace rows
+        if slots[reused:] != list(range(batch, batch + len(slots) - reused)):
+            raise ValueError(f"slots {slots}: rows of the batch ({batch}) first, then the next ones in order")
+        if reused:
+            rows = torch.tensor(slots[:reused], device=self.keys.device)
+            self.keys[:, rows], self.values[:, rows] = other.keys[:, :reused], other.values[:, :reused]
+        if reused < len(slots):
+            self.keys = torch.cat([self.keys, other.keys[:, reused:]], dim=1)
+            self.values = torch.cat([self.values, other.values[:, reused:]], dim=1)
+            self.split()
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop finished requests so the batch stays dense (one copy per finish event)."""
         self.keys, self.values = self.keys[:, rows], self.values[:, rows]

@@ -17,6 +17,7 @@ from .stats import GenerationResult
 
 OnTokens = Callable[[int, list[int]], None]  # (request index, newly committed tokens)
 Cancelled = Callable[[int], bool]  # (request index) -> stop generating for it now
+Admit = Callable[[int], Sequence[Sequence[int]]]  # (free batch rows) -> at most that many prompts to join now
 
 BACKENDS = ("auto", "trtllm", "reference")
 

@@ -2,7 +2,7 @@
 
 A proposer sees the batch through a few calls and keeps whatever per-request state it needs:
 `start` after prefill, `propose` before each verify, `commit` after it, `keep_rows` when finished
-requests leave the batch. The DFlash proposer is the product, alone or with suffix-automaton drafts
+requests leave the batch, `join` when requests join it (in-flight batching). The DFlash proposer is the product, alone or with suffix-automaton drafts
 (`SuffixDFlashProposer`); n-gram prompt lookup is the draft-model-free baseline; test proposers reuse
 the interface.
 """
@@ -47,6 +47,12 @@ class Proposer(Protocol):
         ...
 
     def keep_rows(self, rows: torch.Tensor) -> None: ...
+
+    def join(self, features: torch.Tensor | None, prompt_lens: torch.Tensor, capacity: int, slots: list[int]) -> None:
+        """Requests prefilled after `start` join the batch, as `start` takes a batch's first ones: newcomer i takes
+        batch row slots[i], a finished request's row (its state replaced) or, past the batch, a row appended in
+        order (`KVArena.place`)."""
+        ...
 
 
 class DFlashProposer:
@@ -217,6 +223,35 @@ class DFlashProposer:
         self.pending = [(features[rows], last[rows]) for features, last in self.pending]
         self.block = self.block[rows]
 
+    def join(self, features, prompt_lens, capacity, slots):
+        """The newcomers' prompt context K/V written at once into arena rows of their own, then placed in their slots
+        (the arena grown first where `capacity` exceeds it); the batch's queued chunks hold nothing for them
+        (`pack_ragged` counts last = -1 as none)."""
+        joining, device = len(prompt_lens), prompt_lens.device
+        if capacity > self.cache.capacity:  # a longer newcomer: the arena, its positions and the rotary table grow
+            self.cache.grow(capacity)
+            self.columns = torch.arange(capacity, device=device)
+            if self.whole_step is not None:
+                self.whole_step = self.drafter.whole_step(self.plan, self.head, self.target.hf.model.embed_tokens.weight,
+                                                          capacity)
+        cache = self.drafter.new_cache(joining, capacity)
+        positions = self.columns[: features.shape[1]].repeat(joining, 1)  # right-padded prompts: each row from 0
+        if self.whole_step is not None:
+            self.whole_step.write(features, positions, cache)
+        else:
+            self.drafter.write_context(features, positions, cache, self.matmul_dtype, self.plan)
+        batch = len(self.context_lens)
+        reused = sum(slot < batch for slot in slots)
+        rows, appended = torch.tensor(slots[:reused], dtype=torch.long, device=device), joining - reused
+        self.cache.place(slots, cache)
+        self.context_lens = torch.cat([self.context_lens.index_put((rows,), prompt_lens[:reused]), prompt_lens[reused:]])
+        self.no_features = torch.cat([self.no_features, features[:appended, :0]])
+        self.pending = [(torch.cat([chunk, chunk.new_zeros(appended, *chunk.shape[1:])]),
+                         torch.cat([last.index_put((rows,), last.new_tensor(-1)), last.new_full((appended,), -1)]))
+                        for chunk, last in self.pending]
+        self.block = torch.cat([self.block, torch.full((appended, self.block_size), self.mask_token_id,
+                                                       dtype=self.block.dtype, device=device)])
+
 
 def verify_block(anchors: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     """The block a step verifies: anchors [b], then drafts [b, K] -> [b, 1 + K]."""
@@ -273,6 +308,9 @@ class NGramProposer:
         pass
 
     def keep_rows(self, rows):
+        pass
+
+    def join(self, features, prompt_lens, capacity, slots):
         pass
 
 
@@ -400,3 +438,7 @@ class SuffixDFlashProposer:
     def keep_rows(self, rows):
         self.dflash.keep_rows(rows)
         self.indexes.keep_rows(rows.tolist())
+
+    def join(self, features, prompt_lens, capacity, slots):
+        self.dflash.join(features, prompt_lens, capacity, slots)
+        self.indexes.place(slots)

@@ -19,9 +19,10 @@ from collections.abc import Sequence
 
 import torch
 
+from ..models.kv_cache import KVArena
 from ..models.target import GptOssTarget
 from .accept import greedy_verify_block, rejection_accept, sample_from_probs
-from .interface import Cancelled, OnTokens, check_request
+from .interface import Admit, Cancelled, OnTokens, check_request
 from .proposers import Proposer
 from .sampling import SamplingParams, greedy_tokens, probabilities
 from .stats import GenerationInterrupted, GenerationResult, RequestStats
@@ -52,6 +53,11 @@ def prefill(target: GptOssTarget, prompts: Sequence[Sequence[int]], feature_laye
     with target.reading_experts(target.prefill_storage):  # the same numbers to float32 rounding, sooner
         logits, features = target(tokens, positions, cache, feature_layers, logit_index=lens - 1)
     return cache, logits, features, lens
+
+
+def kv_capacity(prompts: Sequence[Sequence[int]], max_tokens: int, block_size: int) -> int:
+    """K/V positions a request among `prompts` needs at most: its prompt, max_tokens and the widest verify block."""
+    return max(len(p) for p in prompts) + max_tokens + block_size
 
 
 def draft_length(schedule: dict[int, int] | None, batch: int, most: int) -> int:
@@ -104,22 +110,33 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
                    params: SamplingParams, on_tokens: OnTokens | None = None,
                    step_times: dict[str, float] | None = None,
                    draft_len_schedule: dict[int, int] | None = None,
-                   cancelled: Cancelled | None = None) -> list[GenerationResult]:
+                   cancelled: Cancelled | None = None, admit: Admit | None = None,
+                   slots: int | None = None, capacity: int | None = None) -> list[GenerationResult]:
     """Generate for one batch of prompts until every request stops or reaches max_tokens.
     With a schedule the draft length follows the live batch size, step by step. `cancelled(request)`,
-    asked before each step, finishes a request as "cancelled" (a server's client went away)."""
+    asked before each step, finishes a request as "cancelled" (a server's client went away).
+
+    In-flight batching: with `admit`, before each step where fewer than `slots` (default: the first prompts' count)
+    requests are live, `admit(free)` may hand over up to `free` more prompts; they are prefilled and join the batch
+    at once, numbered after those before them (`on_tokens`, `cancelled` and the results use that numbering).
+    `capacity`: K/V positions per row at first (default: what the first prompts need, `kv_capacity`); a longer prompt
+    joining the batch grows the arenas (`KVArena.grow`, `Proposer.join`)."""
     device = target.device
     block_size = 1 if proposer is None else proposer.num_drafts + 1
     step_times = step_times if step_times is not None else {"draft": 0.0, "verify": 0.0}
-    generator = torch.Generator(device=device).manual_seed(params.seed)
+    generator = torch.Generator(device=device).manual_seed(params.seed)  # one stream for the run, newcomers too
     stops = set(params.stop_token_ids)
-    capacity = max(len(p) for p in prompts) + params.max_tokens + block_size
+    slots = slots or len(prompts)
+    capacity = capacity or kv_capacity(prompts, params.max_tokens, block_size)
     offsets = torch.arange(block_size, device=device)
+    feature_layers = proposer.feature_layers if proposer is not None else []
+    prompts = list(prompts)
     stats = [RequestStats(block_size) for _ in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]
     # each request's committed tokens, grown in place: a proposer reads only what is new
     sequences = [list(p) for p in prompts] if proposer is not None and proposer.needs_history else None
     finish: list[str | None] = [None] * len(prompts)
+    decoding_since = [0.0] * len(prompts)  # when each request's prefill ended
 
     def commit(request: int, new_tokens: list[int]) -> None:
         taken = []
@@ -137,18 +154,39 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
         if on_tokens is not None:
             on_tokens(request, taken)
 
-    synchronize(device)
-    start = time.perf_counter()
-    feature_layers = proposer.feature_layers if proposer is not None else []
-    cache, logits, features, lens = prefill(target, prompts, feature_layers, capacity)
-    first = pick_tokens(logits, params, generator)
-    if proposer is not None:
-        proposer.start(features, lens, capacity)
-    synchronize(device)
-    prefill_done = time.perf_counter()
-    for request, token in enumerate(first.tolist()):
-        stats[request].prefill_time = prefill_done - start
-        commit(request, [token])
+    def enter(first_request: int, taken: list[int] | None) -> tuple[KVArena, torch.Tensor, torch.Tensor]:
+        """Prefill requests first_request.. -> their cache rows, first tokens and prompt lengths; the proposer starts
+        on them (a batch's first requests: `taken` None) or takes them into batch rows `taken` (`Proposer.join`)."""
+        newcomers = prompts[first_request:]
+        synchronize(device)
+        start = time.perf_counter()
+        cache, logits, features, lens = prefill(target, newcomers, feature_layers, capacity)
+        first = pick_tokens(logits, params, generator)
+        if proposer is not None:
+            if taken is None:
+                proposer.start(features, lens, capacity)
+            else:
+                proposer.join(features, lens, capacity, taken)
+        synchronize(device)
+        now = time.perf_counter()
+        for request, token in enumerate(first.tolist(), start=first_request):
+            stats[request].prefill_time, decoding_since[request] = now - start, now
+            commit(request, [token])
+        return cache, first, lens
+
+    def admitted(free: int) -> bool:
+        """Whether `admit` handed over prompts (added to the run's lists)."""
+        more = list(admit(free)) if admit is not None and free > 0 else []
+        if len(more) > free:
+            raise ValueError(f"admit handed over {len(more)} prompts for {free} free rows")
+        prompts.extend(more)
+        stats.extend(RequestStats(block_size) for _ in more)
+        outputs.extend([] for _ in more)
+        finish.extend(None for _ in more)
+        decoding_since.extend(0.0 for _ in more)
+        if sequences is not None:
+            sequences.extend(list(p) for p in more)
+        return bool(more)
 
     def results() -> list[GenerationResult]:
         for request, request_stats in enumerate(stats):
@@ -156,31 +194,53 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
         return [GenerationResult(list(p), outputs[r], finish[r], stats[r]) for r, p in enumerate(prompts)]
 
     try:
+        cache, anchors, positions = enter(0, None)
         rows = list(range(len(prompts)))  # batch row -> request index
-        anchors, positions = first, lens
         while True:
             if cancelled is not None:
                 for request in rows:
                     if finish[request] is None and cancelled(request):
                         finish[request] = "cancelled"
-            keep = [i for i, request in enumerate(rows) if finish[request] is None]
-            if len(keep) < len(rows):
+            done = [i for i, request in enumerate(rows) if finish[request] is not None]  # batch rows to free
+            if done:
                 now = time.perf_counter()
-                for request in rows:
-                    if finish[request] is not None:
-                        stats[request].decode_time = now - prefill_done
-                if not keep:
+                for i in done:
+                    stats[rows[i]].decode_time = now - decoding_since[rows[i]]
+            first_new = len(prompts)
+            if admitted(slots - len(rows) + len(done)):
+                joining = len(prompts) - first_new
+                capacity = max(capacity, kv_capacity(prompts[first_new:], params.max_tokens, block_size))
+                if len(done) == len(rows):  # nothing live: the newcomers start a batch afresh
+                    cache, anchors, positions = enter(first_new, None)
+                    rows = list(range(first_new, len(prompts)))
+                else:  # newcomers take finished requests' rows, then rows appended after the batch
+                    taken = done[:joining] + list(range(len(rows), len(rows) + joining - len(done[:joining])))
+                    cache.grow(capacity)  # a longer newcomer: room for it in every row
+                    joined, first, lens = enter(first_new, taken)
+                    cache.place(taken, joined)
+                    reused = torch.tensor(done[:joining], dtype=torch.long, device=device)
+                    anchors = torch.cat([anchors.index_put((reused,), first[: len(reused)]), first[len(reused):]])
+                    positions = torch.cat([positions.index_put((reused,), lens[: len(reused)]), lens[len(reused):]])
+                    for slot, request in zip(taken, range(first_new, len(prompts))):
+                        if slot < len(rows):
+                            rows[slot] = request
+                        else:
+                            rows.append(request)
+                continue  # a newcomer may have finished at its first token
+            if done:
+                keep = sorted(set(range(len(rows))) - set(done))
+                rows = [rows[i] for i in keep]
+                if not rows:
                     break
                 index = torch.tensor(keep, device=device)
                 cache.keep_rows(index)
                 if proposer is not None:
                     proposer.keep_rows(index)
-                rows = [rows[i] for i in keep]
                 anchors, positions = anchors[index], positions[index]
             most = 0 if proposer is None else proposer.num_drafts
             num_drafts = draft_length(draft_len_schedule, len(rows), most)
-            history = [sequences[r] for r in rows] if num_drafts and sequences is not None else []
-            drafts, num_accepted, bonus = verify_step(target, cache, proposer, anchors, positions, history,
+            history_rows = [sequences[r] for r in rows] if num_drafts and sequences is not None else []
+            drafts, num_accepted, bonus = verify_step(target, cache, proposer, anchors, positions, history_rows,
                                                       num_drafts, params, generator, step_times, offsets)
             from_suffix = getattr(proposer, "suffix_rows", None) if num_drafts else None
             drafted = drafts.shape[1] > 0  # the proposer may have chosen none (adaptive draft length)
@@ -194,19 +254,22 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
         for request in range(len(prompts)):
             if finish[request] is None:
                 finish[request] = "interrupted"
-                stats[request].decode_time = now - prefill_done
+                stats[request].decode_time = now - decoding_since[request]
         raise GenerationInterrupted(results()) from None
     return results()
 
 
 class ReferenceRuntime:
-    """Runs prompts through the loop in batches of `batch_size` (static batching, input order)."""
+    """Runs prompts through the loop `batch_size` at a time, in input order: with `inflight` (in-flight batching), a
+    finished request's row goes to the next waiting prompt at the next step; without, in static batches (a batch's
+    rows wait for its slowest request)."""
 
     backend = "reference"
 
     def __init__(self, target: GptOssTarget, proposer: Proposer | None,
-                 draft_len_schedule: dict[int, int] | None = None):
+                 draft_len_schedule: dict[int, int] | None = None, inflight: bool = False):
         self.target, self.proposer, self.draft_len_schedule = target, proposer, draft_len_schedule
+        self.inflight = inflight
 
     def warm_up(self, prompt: Sequence[int]) -> None:
         """One short untimed generation: first calls pay one-time allocation and dispatch costs
@@ -214,11 +277,32 @@ class ReferenceRuntime:
         self.generate([prompt], SamplingParams(max_tokens=3))
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, batch_size: int = 1,
-                 on_tokens: OnTokens | None = None, cancelled: Cancelled | None = None) -> list[GenerationResult]:
+                 on_tokens: OnTokens | None = None, cancelled: Cancelled | None = None,
+                 admit: Admit | None = None) -> list[GenerationResult]:
+        """`admit` (in-flight only): more prompts while the run goes on, numbered after `prompts`, as
+        `generate_batch` takes them (a server's requests that arrive meanwhile); they must fit the K/V capacity
+        sized for `prompts` (`capacity`)."""
         check_request(prompts, batch_size, self.target.vocab_size, params.max_tokens,
                       self.target.config.max_position_embeddings)
-        results: list[GenerationResult] = []
         self.step_times = {"draft": 0.0, "verify": 0.0}
+        if self.inflight:
+            waiting = list(prompts[batch_size:])
+
+            def next_prompts(free: int) -> list[Sequence[int]]:
+                taken, waiting[:] = waiting[:free], waiting[free:]
+                if admit is not None and free > len(taken):
+                    arriving = list(admit(free - len(taken)))
+                    check_request(arriving, batch_size, self.target.vocab_size, params.max_tokens,
+                                  self.target.config.max_position_embeddings)
+                    taken += arriving
+                return taken
+
+            return generate_batch(self.target, self.proposer, prompts[:batch_size], params, on_tokens, self.step_times,
+                                  self.draft_len_schedule, cancelled, next_prompts, batch_size,
+                                  self.capacity(prompts, params))
+        if admit is not None:
+            raise ValueError("admitting prompts needs in-flight batching (ReferenceRuntime(..., inflight=True))")
+        results: list[GenerationResult] = []
         for first in range(0, len(prompts), batch_size):
             chunk = prompts[first: first + batch_size]
             callback = None if on_tokens is None else (lambda r, toks, base=first: on_tokens(base + r, toks))
@@ -229,3 +313,6 @@ class ReferenceRuntime:
             except GenerationInterrupted as interrupted:
                 raise GenerationInterrupted(results + interrupted.results) from None
         return results
+
+    def capacity(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> int:
+        return kv_capacity(prompts, params.max_tokens, 1 if self.proposer is None else self.proposer.num_drafts + 1)

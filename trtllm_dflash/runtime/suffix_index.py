@@ -103,8 +103,17 @@ class SuffixIndexes:
 
     def __init__(self, batch: int):
         self.module = KERNEL.module()
-        make = SuffixIndex if self.module is None else self.module.SuffixIndex
-        self.indexes = [make() for _ in range(batch)]
+        self.make = SuffixIndex if self.module is None else self.module.SuffixIndex
+        self.indexes = [self.make() for _ in range(batch)]
+
+    def place(self, slots: list[int]) -> None:
+        """Empty indexes for requests joining the batch at rows `slots` (a finished request's, or appended in order;
+        `KVArena.place`): they read their prompts at the next `match`."""
+        for slot in slots:
+            if slot < len(self.indexes):
+                self.indexes[slot] = self.make()
+            else:
+                self.indexes.append(self.make())
 
     def match(self, history: list[list[int]]) -> list[int]:
         """Each index brought up to its row of `history` (lists of token ids; only their new tails are read) -> each

@@ -45,7 +45,8 @@ class TritonPythonModel:
         engine_dir = Path(args["model_repository"]) / params["engine_dir"]  # absolute paths stay absolute
         self.service = DFlashService.from_engine(engine_dir, params.get("backend", "auto"),
                                                  params.get("verify_checksums") == "true",
-                                                 params.get("device", "auto"), params.get("speculation", "dflash"))
+                                                 params.get("device", "auto"), params.get("speculation", "dflash"),
+                                                 params.get("batching", "inflight"))
         self.scheduler = BatchScheduler(self.service.run_batch, self.service.max_batch_size)
 
     def execute(self, requests):

@@ -39,6 +39,7 @@ class ModelParameters:
     backend: str = "auto"
     device: str = "auto"
     speculation: str = "dflash"  # "off": the target alone, the autoregressive baseline
+    batching: str = "inflight"  # the reference backend's; "static": a request waits for the running batch to end
 
 
 def render_config(engine_ref: str, model_name: str = MODEL_NAME, run: ModelParameters = ModelParameters()) -> str:

@@ -1,12 +1,13 @@
-"""Batching concurrent requests: one worker thread, a first-come queue, batch boundaries.
+"""Batching concurrent requests: one worker thread, a first-come queue, in-flight admission.
 
 Triton calls the decoupled model's `execute` as requests arrive; each becomes a Job in the queue
 and `execute` returns at once. The worker takes everything compatible with the oldest waiting job
-(up to the engine's max batch size) and runs it as one batch; a request that arrives meanwhile
-waits for the next batch boundary, which comes when the running batch finishes. Greedy requests
-batch together; a sampled request runs on its own, so its seed reproduces `dflash-run` exactly
-(the reference runtime draws one random stream per batch). The oldest job always leads the next
-batch, so nothing waits longer than the batches ahead of it.
+(up to the engine's max batch size) and runs it as one batch. While it runs, a runtime with in-flight
+batching (the reference runtime) asks for more whenever rows are free: jobs from the front of the queue join
+the running batch at its next step, as long as each fits it (`DFlashService.run_batch` says what fits: greedy, and
+no more tokens than the batch decodes); the first that does not stops admission, so it leads the next batch and
+nothing waits behind a batch that keeps taking newer jobs. Greedy requests batch together; a sampled request runs
+on its own, so its seed reproduces `dflash-run` exactly (the reference runtime draws one random stream per batch).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from .service import Job
+from .service import Admit, Job
 
 
 def take_batch(queue: deque[Job], most: int) -> list[Job]:
@@ -32,8 +33,16 @@ def take_batch(queue: deque[Job], most: int) -> list[Job]:
     return batch
 
 
+def take_joining(queue: deque[Job], most: int, fits: Callable[[Job], bool]) -> list[Job]:
+    """Up to `most` jobs from the front of the queue while each fits the running batch (first come, first served)."""
+    joining = []
+    while queue and len(joining) < most and fits(queue[0]):
+        joining.append(queue.popleft())
+    return joining
+
+
 class BatchScheduler:
-    def __init__(self, run_batch: Callable[[list[Job]], None], max_batch_size: int):
+    def __init__(self, run_batch: Callable[[list[Job], Admit], None], max_batch_size: int):
         self.run_batch, self.max_batch_size = run_batch, max_batch_size
         self.queue: deque[Job] = deque()
         self.running: list[Job] = []
@@ -69,11 +78,26 @@ class BatchScheduler:
                 if cancelled:
                     job.fail("request cancelled", True)
             if waiting:
-                self.run_batch(waiting)
+                self.run_batch(waiting, self.admit)
             with self.wake:
                 self.running = []
         for job in self.queue:  # the model is unloading: nothing waits forever
             job.fail("the model is shutting down", False)
+
+    def admit(self, most: int, fits: Callable[[Job], bool]) -> list[Job]:
+        """Jobs that join the running batch now (`take_joining`); one cancelled while it waited gets its answer."""
+        if not self.queue:  # asked every step: most steps find nobody waiting, and need not take the lock for that
+            return []
+        with self.wake:
+            joining = take_joining(self.queue, most, fits)
+            self.running += joining
+        live = []
+        for job in joining:
+            if job.gone(every_s=0):
+                job.fail("request cancelled", True)
+            else:
+                live.append(job)
+        return live
 
     def close(self, timeout_s: float = 10) -> None:
         with self.wake:

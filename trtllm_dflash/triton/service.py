@@ -6,7 +6,9 @@ per-request limits and stop strings, acceptance statistics) is unit-tested witho
 
 Requests batched together run as one `generate` call with the largest max_tokens among them; each
 request's own limit, stop strings and cancellation are applied here as its tokens arrive, and a
-request that is done gets its final response at once and leaves the batch at the next step.
+request that is done gets its final response at once and leaves the batch at the next step. On the reference
+runtime (in-flight batching) a request that arrives meanwhile joins the running call at its next step, when it fits
+(`run_batch`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class Job:
             self.checked_at = now
             self.cancelled = bool(self.is_cancelled())
         return self.cancelled
+
+
+# (free rows, whether a job fits the running batch) -> waiting jobs that join it now (`BatchScheduler.admit`)
+Admit = Callable[[int, Callable[[Job], bool]], list[Job]]
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -179,8 +185,10 @@ class DFlashService:
 
     @classmethod
     def from_engine(cls, engine_dir: str | Path, backend: str = "auto", verify_checksums: bool = False,
-                    device: str = "auto", speculation: str = "dflash") -> "DFlashService":
-        """speculation "off" serves the target alone (the autoregressive baseline, reference runtime)."""
+                    device: str = "auto", speculation: str = "dflash", batching: str = "inflight") -> "DFlashService":
+        """speculation "off" serves the target alone (the autoregressive baseline, reference runtime); batching
+        "static" makes the reference runtime finish a batch before the next starts (TensorRT-LLM batches in flight
+        itself)."""
         from ..cli.common import resolve_device, resolve_dtype
         from ..engine.load import engine_runtime, engine_speculation, reference_runtime
         from ..engine.manifest import open_engine
@@ -192,9 +200,9 @@ class DFlashService:
         if speculation == "off":
             if choose_backend(backend)[0] != "reference":
                 raise InputError("the autoregressive baseline runs on the reference backend.", field="backend")
-            runtime = reference_runtime(engine, torch_device, dtype, with_drafter=False)
+            runtime = reference_runtime(engine, torch_device, dtype, with_drafter=False, inflight=batching == "inflight")
         else:
-            runtime, _ = engine_runtime(engine, backend, torch_device, dtype)
+            runtime, _ = engine_runtime(engine, backend, torch_device, dtype, inflight=batching == "inflight")
         tokenizer = None
         if (engine.target_dir / "tokenizer.json").is_file():
             from transformers import AutoTokenizer
@@ -233,17 +241,31 @@ class DFlashService:
     def text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
-    def run_batch(self, jobs: list[Job]) -> None:
-        """Generate for jobs that share sampling parameters (all greedy, or one sampled request)."""
+    def run_batch(self, jobs: list[Job], admit: Admit | None = None) -> None:
+        """Generate for jobs that share sampling parameters (all greedy, or one sampled request). With `admit` (the
+        scheduler's) and a runtime that batches in flight, waiting jobs join while it runs: greedy ones with at most
+        the batch's max_tokens, up to the engine's max batch size."""
         scheduled = time.time_ns()
         streams = [RequestStream(job, self.text, frozenset(self.stop_ids), self.block_size, scheduled)
                    for job in jobs]
         params = replace(jobs[0].spec.params, max_tokens=max(job.spec.params.max_tokens for job in jobs),
                          stop_token_ids=self.stop_ids)
         # the reference runtime drops a finished or cancelled request from the batch at the next step
-        hooks = {"cancelled": lambda i: streams[i].done} if self.runtime.backend == "reference" else {}
+        hooks: dict = {"cancelled": lambda i: streams[i].done} if self.runtime.backend == "reference" else {}
+        batch_size = len(jobs)
+        if admit is not None and getattr(self.runtime, "inflight", False) and params.greedy:
+            def fits(job: Job) -> bool:
+                return job.spec.params.greedy and job.spec.params.max_tokens <= params.max_tokens
+
+            def joining(free: int) -> list[list[int]]:
+                jobs = admit(free, fits)
+                streams.extend(RequestStream(job, self.text, frozenset(self.stop_ids), self.block_size, time.time_ns())
+                               for job in jobs)
+                return [job.prompt for job in jobs]
+
+            hooks["admit"], batch_size = joining, max(self.max_batch_size, len(jobs))
         try:
-            results = self.runtime.generate([job.prompt for job in jobs], params, len(jobs),
+            results = self.runtime.generate([job.prompt for job in jobs], params, batch_size,
                                             lambda i, tokens: streams[i].add(tokens), **hooks)
         except Exception as exc:  # noqa: BLE001 -- every request of the batch still gets an answer
             message = str(exc) if isinstance(exc, InputError) else f"internal error: {type(exc).__name__}: {exc}"
