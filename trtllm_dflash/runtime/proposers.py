@@ -2,9 +2,9 @@
 
 A proposer sees the batch through a few calls and keeps whatever per-request state it needs:
 `start` after prefill, `propose` before each verify, `commit` after it, `keep_rows` when finished
-requests leave the batch, `join` when requests join it (in-flight batching). The DFlash proposer is the product, alone or with suffix-automaton drafts
-(`SuffixDFlashProposer`); n-gram prompt lookup is the draft-model-free baseline; test proposers reuse
-the interface.
+requests leave the batch, `join` when requests join it (in-flight batching). The DFlash proposer is the
+product, alone or with suffix-automaton drafts (`SuffixDFlashProposer`); n-gram prompt lookup is the
+draft-model-free baseline; test proposers reuse the interface.
 """
 
 from __future__ import annotations
@@ -232,8 +232,8 @@ class DFlashProposer:
             self.cache.grow(capacity)
             self.columns = torch.arange(capacity, device=device)
             if self.whole_step is not None:
-                self.whole_step = self.drafter.whole_step(self.plan, self.head, self.target.hf.model.embed_tokens.weight,
-                                                          capacity)
+                embedding = self.target.hf.model.embed_tokens.weight
+                self.whole_step = self.drafter.whole_step(self.plan, self.head, embedding, capacity)
         cache = self.drafter.new_cache(joining, capacity)
         positions = self.columns[: features.shape[1]].repeat(joining, 1)  # right-padded prompts: each row from 0
         if self.whole_step is not None:
@@ -244,8 +244,9 @@ class DFlashProposer:
         reused = sum(slot < batch for slot in slots)
         rows, appended = torch.tensor(slots[:reused], dtype=torch.long, device=device), joining - reused
         self.cache.place(slots, cache)
-        self.context_lens = torch.cat([self.context_lens.index_put((rows,), prompt_lens[:reused]), prompt_lens[reused:]])
-        self.no_features = torch.cat([self.no_features, features[:appended, :0]])
+        self.context_lens = torch.cat([self.context_lens.index_put((rows,), prompt_lens[:reused]),
+                                       prompt_lens[reused:]])
+        self.no_features = torch.cat([self.no_features, features[reused:, :0]])
         self.pending = [(torch.cat([chunk, chunk.new_zeros(appended, *chunk.shape[1:])]),
                          torch.cat([last.index_put((rows,), last.new_tensor(-1)), last.new_full((appended,), -1)]))
                         for chunk, last in self.pending]

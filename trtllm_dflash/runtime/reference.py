@@ -279,9 +279,8 @@ class ReferenceRuntime:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, batch_size: int = 1,
                  on_tokens: OnTokens | None = None, cancelled: Cancelled | None = None,
                  admit: Admit | None = None) -> list[GenerationResult]:
-        """`admit` (in-flight only): more prompts while the run goes on, numbered after `prompts`, as
-        `generate_batch` takes them (a server's requests that arrive meanwhile); they must fit the K/V capacity
-        sized for `prompts` (`capacity`)."""
+        """`admit` (in-flight only): more prompts while the run goes on (a server's requests that arrive meanwhile),
+        numbered after `prompts` and checked like them, as `generate_batch` takes them."""
         check_request(prompts, batch_size, self.target.vocab_size, params.max_tokens,
                       self.target.config.max_position_embeddings)
         self.step_times = {"draft": 0.0, "verify": 0.0}

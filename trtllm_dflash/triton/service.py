@@ -197,12 +197,13 @@ class DFlashService:
         engine = open_engine(engine_dir, verify_checksums)
         torch_device = resolve_device(device)
         dtype = resolve_dtype("auto", torch_device)
+        inflight = batching == "inflight"
         if speculation == "off":
             if choose_backend(backend)[0] != "reference":
                 raise InputError("the autoregressive baseline runs on the reference backend.", field="backend")
-            runtime = reference_runtime(engine, torch_device, dtype, with_drafter=False, inflight=batching == "inflight")
+            runtime = reference_runtime(engine, torch_device, dtype, with_drafter=False, inflight=inflight)
         else:
-            runtime, _ = engine_runtime(engine, backend, torch_device, dtype, inflight=batching == "inflight")
+            runtime, _ = engine_runtime(engine, backend, torch_device, dtype, inflight=inflight)
         tokenizer = None
         if (engine.target_dir / "tokenizer.json").is_file():
             from transformers import AutoTokenizer
