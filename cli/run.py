@@ -204,6 +204,12 @@ def check_expert_dtype(expert_dtype: str | None, backend: str) -> None:
                          "own MoE kernels.", field="--expert-dtype")
 
 
+def check_batching(batching: str, backend: str) -> None:
+    if batching == "inflight" and backend == "trtllm":
+        raise InputError("sets the reference runtime's batching; TensorRT-LLM's executor batches in flight itself.",
+                         field="--batching")
+
+
 def expert_storage(target, choice: str, batch_size: int, block: int) -> str:
     """Choose the target's expert storage (`choose_expert_storage`), say what was measured, return its name."""
     from trtllm_dflash.runtime.tuning import choose_expert_storage, expert_storage_note
@@ -225,7 +231,7 @@ class RuntimeSetup(NamedTuple):
 def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, drafter_dir: Path, draft: DraftMethod,
                   block_size: int | None, schedule: dict[int, int] | None, device: str,
                   dtype: str, with_baseline: bool, draft_length: str = "fixed", batch_size: int = 1,
-                  drafter_gemm: str = "auto", expert_dtype: str = "auto") -> RuntimeSetup:
+                  drafter_gemm: str = "auto", expert_dtype: str = "auto", inflight: bool = False) -> RuntimeSetup:
     """The runtime(s) for this run and how they run."""
     if backend == "trtllm":
         if engine_root is None:
@@ -264,15 +270,16 @@ def build_runtime(backend: str, engine_root: Path | None, target_dir: Path, draf
                                 policy=None if hybrid else policy)
         proposer = (SuffixDFlashProposer(dflash, draft.sa_threshold, policy=policy,
                                          max_suffix_drafts=draft.sa_max_drafts) if hybrid else dflash)
-    runtimes = [ReferenceRuntime(target, proposer, draft_len_schedule=schedule)]
+    runtimes = [ReferenceRuntime(target, proposer, draft_len_schedule=schedule, inflight=inflight)]
     if with_baseline:
-        runtimes.append(ReferenceRuntime(target, None))
+        runtimes.append(ReferenceRuntime(target, None, inflight=inflight))
     return RuntimeSetup(runtimes, gemm_dtype, experts, cpu_kernels, target.compiled_parts())
 
 
 def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int, stream: StreamPrinter | None):
     """Per batch of prompts, `repeats` times: the speculative runtime, then the baseline (if any), so
-    machine drift hits both alike. Only the first speculative run streams.
+    machine drift hits both alike; in flight (`ReferenceRuntime.inflight`) the batch is every prompt, `batch_size` of
+    them decoding at a time. Only the first speculative run streams.
     -> (speculative runs, baseline runs or None, interrupted); each run lists every prompt's result
     (after Ctrl-C the first run holds what finished and the partial batch)."""
     from trtllm_dflash.runtime.stats import GenerationInterrupted
@@ -280,9 +287,10 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
     spec_runs = [[] for _ in range(repeats)]
     base_runs = [[] for _ in range(repeats)] if len(runtimes) > 1 else None
     streaming = False
+    stride = len(prompt_ids) if getattr(runtimes[0], "inflight", False) else batch_size
     try:
-        for first in range(0, len(prompt_ids), batch_size):
-            chunk = prompt_ids[first: first + batch_size]
+        for first in range(0, len(prompt_ids), stride):
+            chunk = prompt_ids[first: first + stride]
             for repeat in range(repeats):
                 streaming = repeat == 0
                 on_tokens = (None if stream is None or not streaming else
@@ -322,6 +330,12 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
 @click.option("--seed", default=0, show_default=True)
 @click.option("--batch-size", default=1, show_default=True, type=click.IntRange(min=1),
               help="Requests decoded together.")
+@click.option("--batching", type=click.Choice(["static", "inflight"]), default="static", show_default=True,
+              help="static: each batch of --batch-size prompts runs until its slowest request ends (with --baseline, "
+                   "each batch's repeats interleave); inflight: a finished request's row goes to the next prompt at "
+                   "the next step (more tokens/s where requests end at different steps, as speculative ones do; with "
+                   "--baseline each repeat runs every prompt, speculative then autoregressive; later prompts' texts "
+                   "print when the run ends). Reference backend only.")
 @click.option("--block-size", type=int, help="Verify block (anchor + drafts); at most the drafter's.")
 @click.option("--draft-method", type=click.Choice(["dflash-sa", "dflash", "ngram"]),
               help="dflash-sa = DFlash plus suffix-automaton drafts where the text repeats itself (the reference "
@@ -377,9 +391,9 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
 @click.option("--verify", is_flag=True, help="Check every file of ENGINE_DIR against its sha256 first.")
 @clean_errors
 def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, max_tokens, temperature, top_p,
-         top_k, seed, batch_size, block_size, draft_method, sa_threshold, sa_max_drafts, draft_length, drafter_gemm,
-         expert_dtype, backend, device, dtype, baseline, repeats, threads, as_json, output, stats_file, no_stream,
-         verify):
+         top_k, seed, batch_size, batching, block_size, draft_method, sa_threshold, sa_max_drafts, draft_length,
+         drafter_gemm, expert_dtype, backend, device, dtype, baseline, repeats, threads, as_json, output, stats_file,
+         no_stream, verify):
     """Run the DFlash draft-verify loop on ENGINE_DIR (or --target/--drafter, or the embedded default)."""
     from trtllm_dflash.checkpoints.gpt_oss import stop_token_ids
     from trtllm_dflash.checkpoints.validate import validate_pair
@@ -438,9 +452,10 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     draft_length = resolve_draft_length(draft_length, method, chosen)
     check_drafter_gemm(drafter_gemm, method, chosen)
     check_expert_dtype(expert_dtype, chosen)
+    check_batching(batching, chosen)
     setup = build_runtime(chosen, engine.root if engine else None, target_dir, drafter_dir, draft,
                           block_size, schedule, device, dtype, baseline, draft_length, batch_size,
-                          drafter_gemm or "auto", expert_dtype or "auto")
+                          drafter_gemm or "auto", expert_dtype or "auto", batching == "inflight")
     runtimes, gemm_dtype = setup.runtimes, setup.drafter_gemm_dtype
     for runtime in runtimes:
         if hasattr(runtime, "warm_up"):
@@ -464,7 +479,7 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
                              drafter_gemm_dtype=None if gemm_dtype is None else str(gemm_dtype).removeprefix("torch."),
                              expert_dtype=setup.expert_dtype, drafter_cpu_kernels=setup.drafter_cpu_kernels,
                              target_cpu_kernels=setup.target_cpu_kernels,
-                             backend=chosen, threads=torch.get_num_threads(),
+                             backend=chosen, batching=batching, threads=torch.get_num_threads(),
                              repeats=repeats)
     if as_json:
         for record in [*records, summary]:

@@ -187,6 +187,34 @@ def test_drafter_gemm_dtype_needs_our_drafter():
         assert raised.value.field == "--drafter-gemm-dtype"
 
 
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_inflight_batching_gives_the_same_tokens_and_one_summary(tiny_pair, batch_size):
+    """--batching inflight: the same outputs as static batches (and as the baseline), the run's totals from the union of
+    its requests' decode spans, and the setting in the summary."""
+    target, drafter = tiny_pair
+    common = ("--target", target, "--drafter", drafter, "--prompt", "def f(x):", "--prompt", "import os",
+              "--prompt", "class A:", "--prompt", "x = [", "--max-tokens", 10, "--batch-size", batch_size, "--json",
+              "--threads", 1)
+    static = invoke(*common)
+    inflight = invoke(*common, "--batching", "inflight", "--baseline", "--repeats", 2)
+    assert static.exit_code == 0 and inflight.exit_code == 0, static.output + inflight.output
+    (static_records, _), (records, summary) = json_lines(static), json_lines(inflight)
+    assert [r["output_token_ids"] for r in records] == [r["output_token_ids"] for r in static_records]
+    assert summary["batching"] == "inflight" and summary["outputs_identical"] == 4
+    assert all(r["matches_baseline"] for r in records) and summary["speedup_min"] <= summary["speedup_max"]
+
+
+def test_inflight_batching_is_the_reference_runtimes():
+    from trtllm_dflash.cli.run import check_batching
+    from trtllm_dflash.errors import InputError
+
+    check_batching("inflight", "reference")
+    check_batching("static", "trtllm")
+    with pytest.raises(InputError) as raised:
+        check_batching("inflight", "trtllm")
+    assert raised.value.field == "--batching"
+
+
 def test_draft_length_defaults_and_refusals():
     from trtllm_dflash.cli.run import resolve_draft_length
     from trtllm_dflash.errors import InputError

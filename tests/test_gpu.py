@@ -178,10 +178,12 @@ def test_drafter_plugin_switch_on_cuda(embedded_on_cuda):
     torch.testing.assert_close(plugged, plain, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("inflight", [False, True], ids=["static", "inflight"])
 @pytest.mark.parametrize("batch_size", [1, 4])
 @pytest.mark.parametrize("use_plugin", [False, True])
-def test_reference_runtime_lossless_on_cuda(embedded_on_cuda, batch_size, use_plugin):
-    """Embedded pair on CUDA (float32): DFlash, n-gram and dflash-sa greedy == transformers' greedy generate."""
+def test_reference_runtime_lossless_on_cuda(embedded_on_cuda, batch_size, use_plugin, inflight):
+    """Embedded pair on CUDA (float32): DFlash, n-gram and dflash-sa greedy == transformers' greedy generate, in
+    static batches and in flight (newcomers' rows placed in CUDA arenas)."""
     from trtllm_dflash.runtime.proposers import DFlashProposer, NGramProposer, SuffixDFlashProposer
     from trtllm_dflash.runtime.reference import ReferenceRuntime
     from trtllm_dflash.runtime.sampling import SamplingParams
@@ -194,7 +196,8 @@ def test_reference_runtime_lossless_on_cuda(embedded_on_cuda, batch_size, use_pl
     try:
         for proposer in (DFlashProposer(drafter, target), NGramProposer(num_drafts=7),
                          SuffixDFlashProposer(DFlashProposer(drafter, target))):
-            results = ReferenceRuntime(target, proposer).generate(prompts, params, batch_size=batch_size)
+            runtime = ReferenceRuntime(target, proposer, inflight=inflight)
+            results = runtime.generate(prompts, params, batch_size=batch_size)
             assert [r.output_token_ids for r in results] == expected
             assert sum(r.stats.acceptance_length for r in results) / len(results) > 1.0
     finally:

@@ -111,3 +111,25 @@ def test_totals_count_one_prefill_token_per_request():
     total = total_stats(results, batch_size=2)
     assert total.num_decode_tokens == 4 * 9 and total.requests == 4
     assert total.decode_tokens_per_s == 36 / 2.0  # two batches of one second each
+
+
+def test_totals_from_decode_spans_cover_static_batches_and_overlapping_requests():
+    """Requests that say when their decode began: the run's prefill time is the union of their prefill spans, its
+    decode time the union of all spans less that (static batches: the slowest request of each; in flight: overlaps
+    counted once, gaps and newcomers' prefills left out)."""
+    from trtllm_dflash.runtime.stats import GenerationResult, RequestStats, covered, total_stats
+
+    def result(start, decode, prefill=0.5):
+        return GenerationResult([1], list(range(5)), "length", RequestStats(4, num_output_tokens=5, decode_time=decode,
+                                                                             prefill_time=prefill, decode_started=start))
+
+    static = [result(10.0, 2.0), result(10.0, 3.0), result(20.0, 1.0), result(20.0, 0.5)]  # two batches of two
+    assert total_stats(static, batch_size=2).decode_time == pytest.approx(3.0 + 1.0)
+    assert total_stats(static, batch_size=2).prefill_time == pytest.approx(0.5 + 0.5)
+    inflight = [result(10.0, 4.0), result(10.0, 1.0), result(11.5, 4.0), result(30.0, 1.0)]  # a newcomer at 11.5
+    total = total_stats(inflight, batch_size=2)
+    assert total.prefill_time == pytest.approx(0.5 + 0.5 + 0.5)
+    assert total.decode_time == pytest.approx(5.5 - 0.5 + 1.0)  # the newcomer's prefill (11.0-11.5) is no decode
+    assert total.num_decode_tokens == 16
+    assert covered([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.5, 3.7)]) == pytest.approx(3.0)
+    assert covered([]) == 0.0

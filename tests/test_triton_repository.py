@@ -499,6 +499,23 @@ def test_take_joining_takes_from_the_front_while_each_fits():
     assert [j.request_id for j in queue] == ["c", "d"]
 
 
+def test_a_closing_scheduler_admits_nobody_and_answers_who_waits():
+    from trtllm_dflash.triton.llmapi import RequestSpec
+    from trtllm_dflash.triton.scheduler import BatchScheduler
+    from trtllm_dflash.triton.service import Job
+
+    failed = []
+    job = Job(RequestSpec(None, [1], SamplingParams()), [1], None, lambda message, cancelled: failed.append(message))
+    scheduler = BatchScheduler(lambda jobs, admit: None, 4)
+    with scheduler.wake:  # the worker waits for this lock: it sees the queue only once closing is set
+        scheduler.closing = True
+        scheduler.queue.append(job)
+        assert scheduler.admit(4, lambda j: True) == []
+        scheduler.wake.notify()
+    scheduler.worker.join(10)
+    assert not scheduler.worker.is_alive() and failed == ["the model is shutting down"]
+
+
 def test_streaming_holds_back_what_a_stop_string_or_utf8_may_still_change():
     from trtllm_dflash.triton.service import held_back
 

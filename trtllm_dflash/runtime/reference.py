@@ -136,7 +136,6 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
     # each request's committed tokens, grown in place: a proposer reads only what is new
     sequences = [list(p) for p in prompts] if proposer is not None and proposer.needs_history else None
     finish: list[str | None] = [None] * len(prompts)
-    decoding_since = [0.0] * len(prompts)  # when each request's prefill ended
 
     def commit(request: int, new_tokens: list[int]) -> None:
         taken = []
@@ -170,7 +169,7 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
         synchronize(device)
         now = time.perf_counter()
         for request, token in enumerate(first.tolist(), start=first_request):
-            stats[request].prefill_time, decoding_since[request] = now - start, now
+            stats[request].prefill_time, stats[request].decode_started = now - start, now
             commit(request, [token])
         return cache, first, lens
 
@@ -183,7 +182,6 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
         stats.extend(RequestStats(block_size) for _ in more)
         outputs.extend([] for _ in more)
         finish.extend(None for _ in more)
-        decoding_since.extend(0.0 for _ in more)
         if sequences is not None:
             sequences.extend(list(p) for p in more)
         return bool(more)
@@ -205,7 +203,7 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
             if done:
                 now = time.perf_counter()
                 for i in done:
-                    stats[rows[i]].decode_time = now - decoding_since[rows[i]]
+                    stats[rows[i]].decode_time = now - stats[rows[i]].decode_started
             first_new = len(prompts)
             if admitted(slots - len(rows) + len(done)):
                 joining = len(prompts) - first_new
@@ -254,7 +252,8 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
         for request in range(len(prompts)):
             if finish[request] is None:
                 finish[request] = "interrupted"
-                stats[request].decode_time = now - decoding_since[request]
+                started = stats[request].decode_started  # None: interrupted in its prefill
+                stats[request].decode_time = 0.0 if started is None else now - started
         raise GenerationInterrupted(results()) from None
     return results()
 

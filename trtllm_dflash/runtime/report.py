@@ -49,7 +49,7 @@ def summary_record(results: list[GenerationResult], spec_runs: list[list[Generat
     """The last JSON object of a run. results: the reported (first) run; spec_runs / base_runs: every
     repeat of the speculative and autoregressive runs (None without a baseline). settings: method,
     sa_threshold, draft_length, drafter_gemm_dtype, expert_dtype, drafter_cpu_kernels, target_cpu_kernels, backend,
-    threads, repeats."""
+    batching, threads, repeats."""
     total = total_stats(results, batch_size)
     summary = {"summary": True, **settings, "prompts": len(results), "batch_size": batch_size,
                "output_tokens": total.num_output_tokens, "steps": total.steps,

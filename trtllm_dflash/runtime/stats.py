@@ -26,6 +26,7 @@ class RequestStats:
     decode_time: float = 0.0
     suffix_steps: int = 0  # steps whose drafts came from the suffix index (dflash-sa), not the drafter
     draftless_steps: int = 0  # steps that verified no draft (an adaptive or scheduled draft length of 0)
+    decode_started: float | None = None  # `time.perf_counter()` when its prefill ended (None: the backend does not say)
 
     def __post_init__(self):
         if not self.accepted_histogram:
@@ -97,18 +98,39 @@ class GenerationResult:
 def total_stats(results: list[GenerationResult], batch_size: int) -> RequestStats:
     """Totals over a run whose requests were decoded `batch_size` at a time, in order.
 
-    Requests of one batch share the clock, so a batch's time is its slowest request's and batches
-    add up: decode tokens/s of the total is then the run's real throughput.
+    Where every request says when its decode began (the reference runtime), the run's prefill time is the time during
+    which any prefill ran (the union of their spans) and its decode time the time during which any request was
+    decoding and no prefill ran: in static batches the sum of each batch's slowest request, in flight (newcomers are
+    prefilled between the others' steps) the run's wall time less its prefills and idle gaps. Otherwise (TensorRT-LLM's
+    totals) requests of one batch share the clock, so a batch's time is its slowest request's and batches add up.
+    Either way, decode tokens/s of the total is the run's decode throughput.
     """
     # The first result's stats class, so backends that report totals only (TensorRT-LLM) add up too.
     total = type(results[0].stats)(max(r.stats.block_size for r in results), requests=0)
-    for first in range(0, len(results), batch_size):
-        batch = [r.stats for r in results[first: first + batch_size]]
-        for stats in batch:
-            total.add_counts(stats)
+    stats = [r.stats for r in results]
+    for request in stats:
+        total.add_counts(request)
+    if all(s.decode_started is not None for s in stats):
+        prefills = [(s.decode_started - s.prefill_time, s.decode_started) for s in stats]
+        decodes = [(s.decode_started, s.decode_started + s.decode_time) for s in stats]
+        total.prefill_time = covered(prefills)
+        total.decode_time = covered(prefills + decodes) - total.prefill_time
+        return total
+    for first in range(0, len(stats), batch_size):
+        batch = stats[first: first + batch_size]
         total.prefill_time += max(s.prefill_time for s in batch)
         total.decode_time += max(s.decode_time for s in batch)
     return total
+
+
+def covered(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) spans."""
+    length, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            length += end - max(start, reach)
+            reach = end
+    return length
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,8 @@ class BatchScheduler:
         if not self.queue:  # asked every step: most steps find nobody waiting, and need not take the lock for that
             return []
         with self.wake:
+            if self.closing:  # unloading: the running batch finishes, and what waits gets its answer from `loop`
+                return []
             joining = take_joining(self.queue, most, fits)
             self.running += joining
         live = []
