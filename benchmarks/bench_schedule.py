@@ -95,16 +95,16 @@ def run_case(name: str, make_proposer, target, lengths, prompts, max_tokens, con
         return InProcessRunner(method, k, runtime, max_tokens)
 
     shapes = [LoadShape(CONCURRENCY, c, -(-requests // c) * c) for c in concurrency]
-    entries = [runner("ar", 0, ReferenceRuntime(target, None))]
-    entries += [runner("dflash", k, ReferenceRuntime(target, make_proposer(k))) for k in lengths]
+    entries = [runner("ar", 0, ReferenceRuntime(target, None, inflight=True))]
+    entries += [runner("dflash", k, ReferenceRuntime(target, make_proposer(k), inflight=True)) for k in lengths]
     calibration = run_sweep(entries, prompts, shapes, repeats)
     analysis = analyse(calibration, max(lengths))
     candidate = analysis["schedule"]["candidate_draft_len_schedule"]
     schedule = {int(k): v for k, v in candidate.items()}
     holdout = analysis["cost_model"]["holdout"]
     # {} means "build without speculation", so it runs as TensorRT-LLM would run it: plain AR.
-    runtime = (ReferenceRuntime(target, make_proposer(max(lengths)), schedule) if schedule
-               else ReferenceRuntime(target, None))
+    runtime = (ReferenceRuntime(target, make_proposer(max(lengths)), schedule, inflight=True) if schedule
+               else ReferenceRuntime(target, None, inflight=True))
     scheduled = runner("scheduled", schedule[min(schedule)] if schedule else 0, runtime)
     points = run_sweep(entries + [scheduled], prompts, shapes, repeats)
     tau = {p.draft_len: p.tau for p in calibration if p.concurrency == concurrency[0]}

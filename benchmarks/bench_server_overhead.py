@@ -48,9 +48,9 @@ def main() -> None:
     target = GptOssTarget(load_hf_gpt_oss(target_dir, "cpu", torch.float32))
     drafter = load_drafter(drafter_dir, "cpu", torch.float32)
     k = args.draft_len
-    runners = [InProcessRunner("ar", 0, ReferenceRuntime(target, None), args.max_tokens),
-               InProcessRunner("dflash", k, ReferenceRuntime(target, DFlashProposer(drafter, target, k + 1)),
-                               args.max_tokens)]
+    runners = [InProcessRunner("ar", 0, ReferenceRuntime(target, None, inflight=True), args.max_tokens),
+               InProcessRunner("dflash", k, ReferenceRuntime(target, DFlashProposer(drafter, target, k + 1),
+                                                             inflight=True), args.max_tokens)]
     for method, draft_len, url in (("ar", 0, args.ar_url), ("dflash", k, args.dflash_url)):
         endpoint = TritonEndpoint(url, "dflash", args.max_tokens)
         endpoint.check()

@@ -164,15 +164,16 @@ def in_process_runners(target_dir, drafter_dir, draft_lengths, prompts, max_toke
     choose_expert_storage(target, "auto", 1, most + 1)  # as dflash-run's --expert-dtype auto
     drafter = load_drafter(drafter_dir, torch_device, torch_dtype)
     gemm = drafter_gemm_dtype("auto", torch_dtype, torch_device)
-    runners = [InProcessRunner("ar", 0, ReferenceRuntime(target, None), max_tokens, max_batch)]
+    runners = [InProcessRunner("ar", 0, ReferenceRuntime(target, None, inflight=True), max_tokens, max_batch)]
     runners += [InProcessRunner("dflash", k, ReferenceRuntime(target, DFlashProposer(drafter, target, k + 1,
-                                                                                    matmul_dtype=gemm)),
+                                                                                    matmul_dtype=gemm), inflight=True),
                                 max_tokens, max_batch) for k in lengths]
     # dflash-sa (suffix-automaton drafts, else DFlash's) at the longest length, beside DFlash, with dflash-run's
     # default suffix drafts (up to 2 x that block - 1)
     hybrid = SuffixDFlashProposer(DFlashProposer(drafter, target, lengths[-1] + 1, matmul_dtype=gemm),
                                   DEFAULT_SA_THRESHOLD, max_suffix_drafts=default_sa_max_drafts(lengths[-1] + 1))
-    runners.append(InProcessRunner(SUFFIX_HYBRID, lengths[-1], ReferenceRuntime(target, hybrid), max_tokens, max_batch))
+    runners.append(InProcessRunner(SUFFIX_HYBRID, lengths[-1], ReferenceRuntime(target, hybrid, inflight=True),
+                                   max_tokens, max_batch))
     machine = machine_description(torch_device)
     info = {"title": f"{target_dir.name} + {drafter_dir.name} on {machine}, {max_tokens} tokens/request",
             "machine": machine, "device": str(torch_device),

@@ -159,3 +159,30 @@ def test_unusable_output_dir_fails_before_the_sweep(tiny_pair, prompts_file, tmp
     assert result.exit_code == 2 and "--output-dir" in result.output and "notes.txt is a file" in result.output
     assert "repeat" not in result.output
 
+
+
+def test_the_in_process_closed_loop_batches_in_flight(random_pair, monkeypatch):
+    """c users are c rows of one `generate` call: each user's next request joins at the step after its last one ended
+    (sent then), and the step figures come from the runtime's own counts."""
+    from trtllm_dflash.bench.load import LoadShape
+    from trtllm_dflash.bench.points import CONCURRENCY
+    from trtllm_dflash.bench.sweep import InProcessRunner
+    from trtllm_dflash.runtime.proposers import DFlashProposer
+    from trtllm_dflash.runtime.reference import ReferenceRuntime
+
+    target, drafter, prompts, _ = random_pair
+    runtime = ReferenceRuntime(target, DFlashProposer(drafter, target), inflight=True)
+    calls = []
+    generate = runtime.generate
+    monkeypatch.setattr(runtime, "generate", lambda first, *args, **kwargs: calls.append(len(first))
+                        or generate(first, *args, **kwargs))
+    run = InProcessRunner("dflash", 3, runtime, max_tokens=12).run(prompts[:7], LoadShape(CONCURRENCY, 3, 7))
+    assert calls == [3] and len(run.records) == 7 and all(r.ok for r in run.records)
+    sends = [r.send for r in run.records]
+    assert sends[:3] == [sends[0]] * 3 and sends[3] > sends[0] and sends == sorted(sends)
+    for later in run.records[3:]:  # each joined as an earlier request ended
+        assert later.send >= min(r.end for r in run.records[:3])
+    figures = run.runtime
+    assert figures["steps"] > 0 and 1 < figures["mean_batch"] <= 3 and figures["decode_tokens"] == 7 * 11
+    with pytest.raises(ValueError, match="in flight"):
+        InProcessRunner("ar", 0, ReferenceRuntime(target, None), max_tokens=4)

@@ -4,10 +4,9 @@ all points alike, reduced to one BenchPoint per point (medians, each repeat kept
 A runner is the in-process reference runtime or a server endpoint; both turn a load shape into
 request timelines, so their serving figures are computed by the same code (`metrics.py`).
 
-In-process batching is the reference runtime's: static batches. Closed loop at c users = back-to-
-back batches of c (outputs have a fixed length, so a batch's users all finish together and send
-their next requests together). Open loop = a dynamic batcher: at every batch boundary, every
-request that has arrived (up to the batch limit) is batched, as Triton's dynamic batcher would.
+In-process batching is the reference runtime's in-flight batching, as `dflash-serve`'s: closed loop at c users = c
+rows, each user's next request joining at the step after its last one ended (sent then); open loop = requests join
+at the first step after they arrive, up to the batch limit, and a new call starts when one arrives while none runs.
 """
 
 from __future__ import annotations
@@ -15,12 +14,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import InputError
 from ..runtime.reference import ReferenceRuntime
 from ..runtime.sampling import SamplingParams
-from ..runtime.stats import GenerationResult
+from ..runtime.stats import GenerationResult, total_stats
 from .endpoints import EndpointError, HttpEndpoint
 from .load import LoadShape, Prompt, closed_loop, open_loop
 from .metrics import RequestRecord, distribution, latency_samples, reported_acceptance, run_figures
@@ -33,11 +32,22 @@ class Run:
     runtime: dict | None = None  # in-process step figures (runtime_figures)
 
 
+@dataclass
+class RunLog:
+    """What an in-process run gathers over its `generate` calls."""
+
+    records: list[RequestRecord] = field(default_factory=list)  # in the order the requests were sent
+    results: list[GenerationResult] = field(default_factory=list)
+    totals: dict = field(default_factory=dict)  # the runtime's step times and counts, summed over calls
+
+
 class InProcessRunner:
     """A reference runtime labelled with its method and draft length (0 = AR)."""
 
     def __init__(self, method: str, draft_len: int, runtime: ReferenceRuntime, max_tokens: int,
                  max_batch: int = 64):
+        if not runtime.inflight:
+            raise ValueError("the in-process runner batches in flight: give it ReferenceRuntime(..., inflight=True)")
         self.method, self.draft_len, self.runtime = method, draft_len, runtime
         self.params = SamplingParams(max_tokens=max_tokens)  # greedy; no stop tokens: fixed-length outputs
         self.max_batch = max_batch
@@ -45,62 +55,80 @@ class InProcessRunner:
     def warm_up(self, prompt: Sequence[int]) -> None:
         self.runtime.warm_up(prompt)
 
-    def batch(self, prompts: list[Sequence[int]], sends: list[float]) -> tuple[list[RequestRecord], list]:
-        records = [RequestRecord(prompt_tokens=len(p), send=s) for p, s in zip(prompts, sends)]
-        results = self.runtime.generate(prompts, self.params, len(prompts),
-                                        lambda i, tokens: records[i].add_chunk(time.perf_counter(), len(tokens)))
-        for record, result in zip(records, results):
+    def call(self, log: RunLog, first: list[Sequence[int]], sends: list[float], rows: int, admit) -> None:
+        """One in-flight `generate` on `rows` rows: `first` (sent at `sends`), then what `admit(free)` hands over, each
+        request's record logged as it is sent; its results, step times and counts added to the log."""
+        offset = len(log.records)
+        log.records.extend(RequestRecord(prompt_tokens=len(p), send=s) for p, s in zip(first, sends))
+        def arrived(i: int, tokens: list[int]) -> None:
+            log.records[offset + i].add_chunk(time.perf_counter(), len(tokens))
+
+        batch = self.runtime.generate(first, self.params, rows, arrived, admit=admit)
+        for record, result in zip(log.records[offset:], batch):
             record.end = record.chunks[-1][0] if record.chunks else time.perf_counter()
             record.tau = result.stats.acceptance_length
             record.per_position_acceptance = result.stats.per_position_acceptance[: self.draft_len]
-        return records, results
+        log.results += batch
+        for key, value in (*self.runtime.step_times.items(), *self.runtime.step_counts.items()):
+            log.totals[key] = log.totals.get(key, 0) + value
 
     def run(self, prompts: Sequence[Prompt], shape: LoadShape) -> Run:
-        step_times = {"draft": 0.0, "verify": 0.0}
-        source = shape.prompts(prompts)
-        batches = self.closed(source, shape) if shape.kind == CONCURRENCY else self.open(source, shape)
-        records, results = [], []
-        for batch_records, batch_results, times in batches:
-            records += batch_records
-            results.append(batch_results)
-            for key in step_times:
-                step_times[key] += times[key]
-        return Run(records, runtime_figures(results, step_times))
+        source, log = shape.prompts(prompts), RunLog()
+        if shape.kind == CONCURRENCY:
+            self.closed(source, shape, log)
+        else:
+            self.open(source, shape, log)
+        return Run(log.records, runtime_figures(log.results, log.totals))
 
-    def closed(self, source: Iterator[Prompt], shape: LoadShape):
+    def closed(self, source: Iterator[Prompt], shape: LoadShape, log: RunLog) -> None:
         start, users = time.perf_counter(), int(shape.level)
-        while shape.duration is None or time.perf_counter() - start <= shape.duration:
-            chunk = [p for _, p in zip(range(users), source)]
-            if not chunk:
-                return
-            now = time.perf_counter()
-            records, results = self.batch(chunk, [now] * len(chunk))
-            yield records, results, dict(self.runtime.step_times)
 
-    def open(self, source: Iterator[Prompt], shape: LoadShape):
+        def admit(free: int) -> list[Sequence[int]]:
+            if shape.duration is not None and time.perf_counter() - start > shape.duration:
+                return []
+            taken = [p for _, p in zip(range(free), source)]
+            now = time.perf_counter()
+            log.records.extend(RequestRecord(prompt_tokens=len(p), send=now) for p in taken)
+            return taken
+
+        first = [p for _, p in zip(range(users), source)]
+        if first:
+            self.call(log, first, [start] * len(first), users, admit)
+
+    def open(self, source: Iterator[Prompt], shape: LoadShape, log: RunLog) -> None:
         queue = list(zip(shape.arrivals(), source))
         start = time.perf_counter()
-        while queue:
+
+        def arrived(most: int) -> list[tuple[float, Sequence[int]]]:
+            now, taken = time.perf_counter() - start, []
+            while queue and len(taken) < most and queue[0][0] <= now:
+                taken.append(queue.pop(0))
+            return taken
+
+        def admit(free: int) -> list[Sequence[int]]:
+            taken = arrived(free)
+            log.records.extend(RequestRecord(prompt_tokens=len(p), send=start + offset) for offset, p in taken)
+            return [p for _, p in taken]
+
+        while queue:  # a call ends when nothing runs and nothing has arrived: wait for the next arrival
             time.sleep(max(0.0, start + queue[0][0] - time.perf_counter()))
-            now = time.perf_counter() - start
-            taken = [item for item in queue[: self.max_batch] if item[0] <= now]
-            queue = queue[len(taken):]
-            records, results = self.batch([p for _, p in taken], [start + offset for offset, _ in taken])
-            yield records, results, dict(self.runtime.step_times)
+            first = arrived(self.max_batch)
+            if first:
+                self.call(log, [p for _, p in first], [start + offset for offset, _ in first], self.max_batch, admit)
 
 
-def runtime_figures(batches: list[list[GenerationResult]], step_times: dict[str, float]) -> dict:
-    """Decode-only step figures of one run (prefill excluded), per batch step. Decode tokens are
+def runtime_figures(results: list[GenerationResult], totals: dict) -> dict:
+    """Decode-only step figures of one run (prefills excluded: `total_stats`' decode time), per verify step of the
+    batch; `totals`: the run's step times and counts (`ReferenceRuntime.step_times`, `step_counts`). Decode tokens are
     summed per request (each request's first token comes from its prefill)."""
-    results = [r for batch in batches for r in batch]
-    batch_steps = sum(max(r.stats.steps for r in batch) for batch in batches if batch)
-    decode_time = sum(max(r.stats.decode_time for r in batch) for batch in batches if batch)
-    decode_tokens = sum(r.stats.num_decode_tokens for r in results)
-    request_steps = sum(r.stats.steps for r in results)
+    steps = totals.get("steps", 0)
+    decode = total_stats(results, 1) if results else None
+    decode_time = decode.decode_time if decode else 0.0
+    decode_tokens = decode.num_decode_tokens if decode else 0
     return {"decode_tokens_per_s": decode_tokens / decode_time if decode_time else 0.0,
-            "draft_s": step_times["draft"] / max(batch_steps, 1), "verify_s": step_times["verify"] / max(batch_steps, 1),
-            "step_s": decode_time / max(batch_steps, 1), "mean_batch": request_steps / max(batch_steps, 1),
-            "steps": batch_steps, "decode_tokens": decode_tokens}
+            "draft_s": totals.get("draft", 0.0) / max(steps, 1), "verify_s": totals.get("verify", 0.0) / max(steps, 1),
+            "step_s": decode_time / max(steps, 1), "mean_batch": totals.get("rows", 0) / max(steps, 1),
+            "steps": steps, "decode_tokens": decode_tokens}
 
 
 class EndpointRunner:

@@ -111,7 +111,8 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
                    step_times: dict[str, float] | None = None,
                    draft_len_schedule: dict[int, int] | None = None,
                    cancelled: Cancelled | None = None, admit: Admit | None = None,
-                   slots: int | None = None, capacity: int | None = None) -> list[GenerationResult]:
+                   slots: int | None = None, capacity: int | None = None,
+                   step_counts: dict[str, int] | None = None) -> list[GenerationResult]:
     """Generate for one batch of prompts until every request stops or reaches max_tokens.
     With a schedule the draft length follows the live batch size, step by step. `cancelled(request)`,
     asked before each step, finishes a request as "cancelled" (a server's client went away).
@@ -120,7 +121,8 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
     requests are live, `admit(free)` may hand over up to `free` more prompts; they are prefilled and join the batch
     at once, numbered after those before them (`on_tokens`, `cancelled` and the results use that numbering).
     `capacity`: K/V positions per row at first (default: what the first prompts need, `kv_capacity`); a longer prompt
-    joining the batch grows the arenas (`KVArena.grow`, `Proposer.join`)."""
+    joining the batch grows the arenas (`KVArena.grow`, `Proposer.join`). `step_counts` gains the verify steps
+    ("steps") and the live rows summed over them ("rows")."""
     device = target.device
     block_size = 1 if proposer is None else proposer.num_drafts + 1
     step_times = step_times if step_times is not None else {"draft": 0.0, "verify": 0.0}
@@ -240,6 +242,9 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
             history_rows = [sequences[r] for r in rows] if num_drafts and sequences is not None else []
             drafts, num_accepted, bonus = verify_step(target, cache, proposer, anchors, positions, history_rows,
                                                       num_drafts, params, generator, step_times, offsets)
+            if step_counts is not None:
+                step_counts["steps"] += 1
+                step_counts["rows"] += len(rows)
             from_suffix = getattr(proposer, "suffix_rows", None) if num_drafts else None
             drafted = drafts.shape[1] > 0  # the proposer may have chosen none (adaptive draft length)
             for row, (request, a, draft_row, bonus_token) in enumerate(
@@ -283,6 +288,7 @@ class ReferenceRuntime:
         check_request(prompts, batch_size, self.target.vocab_size, params.max_tokens,
                       self.target.config.max_position_embeddings)
         self.step_times = {"draft": 0.0, "verify": 0.0}
+        self.step_counts = {"steps": 0, "rows": 0}  # verify steps of this call, and their live rows summed
         if self.inflight:
             waiting = list(prompts[batch_size:])
 
@@ -297,7 +303,7 @@ class ReferenceRuntime:
 
             return generate_batch(self.target, self.proposer, prompts[:batch_size], params, on_tokens, self.step_times,
                                   self.draft_len_schedule, cancelled, next_prompts, batch_size,
-                                  self.capacity(prompts, params))
+                                  self.capacity(prompts, params), self.step_counts)
         if admit is not None:
             raise ValueError("admitting prompts needs in-flight batching (ReferenceRuntime(..., inflight=True))")
         results: list[GenerationResult] = []
@@ -307,7 +313,7 @@ class ReferenceRuntime:
             stop = None if cancelled is None else (lambda r, base=first: cancelled(base + r))
             try:
                 results.extend(generate_batch(self.target, self.proposer, chunk, params, callback, self.step_times,
-                                              self.draft_len_schedule, stop))
+                                              self.draft_len_schedule, stop, step_counts=self.step_counts))
             except GenerationInterrupted as interrupted:
                 raise GenerationInterrupted(results + interrupted.results) from None
         return results
