@@ -55,15 +55,21 @@ class InProcessRunner:
     def warm_up(self, prompt: Sequence[int]) -> None:
         self.runtime.warm_up(prompt)
 
-    def call(self, log: RunLog, first: list[Sequence[int]], sends: list[float], rows: int, admit) -> None:
-        """One in-flight `generate` on `rows` rows: `first` (sent at `sends`), then what `admit(free)` hands over, each
-        request's record logged as it is sent; its results, step times and counts added to the log."""
+    def call(self, log: RunLog, first: list[tuple[float, Sequence[int]]], rows: int,
+             admit: Callable[[int], list[tuple[float, Sequence[int]]]]) -> None:
+        """One in-flight `generate` on `rows` rows: `first`, then what `admit(free)` hands over, each a (send time,
+        prompt) whose request is logged as it joins; the call's results, step times and counts added to the log."""
         offset = len(log.records)
-        log.records.extend(RequestRecord(prompt_tokens=len(p), send=s) for p, s in zip(first, sends))
-        def arrived(i: int, tokens: list[int]) -> None:
+
+        def joined(requests: list[tuple[float, Sequence[int]]]) -> list[Sequence[int]]:
+            log.records.extend(RequestRecord(prompt_tokens=len(p), send=send) for send, p in requests)
+            return [p for _, p in requests]
+
+        def streamed(i: int, tokens: list[int]) -> None:
             log.records[offset + i].add_chunk(time.perf_counter(), len(tokens))
 
-        batch = self.runtime.generate(first, self.params, rows, arrived, admit=admit)
+        batch = self.runtime.generate(joined(first), self.params, rows, streamed,
+                                      admit=lambda free: joined(admit(free)))
         for record, result in zip(log.records[offset:], batch):
             record.end = record.chunks[-1][0] if record.chunks else time.perf_counter()
             record.tau = result.stats.acceptance_length
@@ -83,17 +89,15 @@ class InProcessRunner:
     def closed(self, source: Iterator[Prompt], shape: LoadShape, log: RunLog) -> None:
         start, users = time.perf_counter(), int(shape.level)
 
-        def admit(free: int) -> list[Sequence[int]]:
+        def admit(free: int) -> list[tuple[float, Sequence[int]]]:
             if shape.duration is not None and time.perf_counter() - start > shape.duration:
                 return []
-            taken = [p for _, p in zip(range(free), source)]
             now = time.perf_counter()
-            log.records.extend(RequestRecord(prompt_tokens=len(p), send=now) for p in taken)
-            return taken
+            return [(now, p) for _, p in zip(range(free), source)]
 
-        first = [p for _, p in zip(range(users), source)]
+        first = [(start, p) for _, p in zip(range(users), source)]
         if first:
-            self.call(log, first, [start] * len(first), users, admit)
+            self.call(log, first, users, admit)
 
     def open(self, source: Iterator[Prompt], shape: LoadShape, log: RunLog) -> None:
         queue = list(zip(shape.arrivals(), source))
@@ -102,19 +106,15 @@ class InProcessRunner:
         def arrived(most: int) -> list[tuple[float, Sequence[int]]]:
             now, taken = time.perf_counter() - start, []
             while queue and len(taken) < most and queue[0][0] <= now:
-                taken.append(queue.pop(0))
+                offset, prompt = queue.pop(0)
+                taken.append((start + offset, prompt))
             return taken
-
-        def admit(free: int) -> list[Sequence[int]]:
-            taken = arrived(free)
-            log.records.extend(RequestRecord(prompt_tokens=len(p), send=start + offset) for offset, p in taken)
-            return [p for _, p in taken]
 
         while queue:  # a call ends when nothing runs and nothing has arrived: wait for the next arrival
             time.sleep(max(0.0, start + queue[0][0] - time.perf_counter()))
             first = arrived(self.max_batch)
             if first:
-                self.call(log, [p for _, p in first], [start + offset for offset, _ in first], self.max_batch, admit)
+                self.call(log, first, self.max_batch, arrived)
 
 
 def runtime_figures(results: list[GenerationResult], totals: dict) -> dict:

@@ -66,24 +66,31 @@ class KVArena:
         self.split()
 
     def place(self, slots: list[int], other: "KVArena") -> None:
-        """`other`'s row i into row slots[i] (requests joining a running batch, the same capacity): a slot below the
-        batch size replaces a finished request's row (one row copied, not the arena), the others are appended in
-        order (slots batch, batch + 1, ...)."""
+        """`other`'s row i into row slots[i] (requests joining a running batch, the same capacity; `place_rows`)."""
         if other.capacity != self.capacity:
             raise ValueError(f"cannot place rows of an arena of {other.capacity} positions in one of {self.capacity}")
-        batch = self.keys.shape[1]
-        reused = next((i for i, slot in enumerate(slots) if slot >= batch), len(slots))  # the first slots replace rows
-        if slots[reused:] != list(range(batch, batch + len(slots) - reused)):
-            raise ValueError(f"slots {slots}: rows of the batch ({batch}) first, then the next ones in order")
-        if reused:
-            rows = torch.tensor(slots[:reused], device=self.keys.device)
-            self.keys[:, rows], self.values[:, rows] = other.keys[:, :reused], other.values[:, :reused]
-        if reused < len(slots):
-            self.keys = torch.cat([self.keys, other.keys[:, reused:]], dim=1)
-            self.values = torch.cat([self.values, other.values[:, reused:]], dim=1)
+        keys = place_rows(self.keys, slots, other.keys, dim=1)
+        self.values = place_rows(self.values, slots, other.values, dim=1)
+        if keys is not self.keys:  # rows were appended: new tensors, new per-layer views
+            self.keys = keys
             self.split()
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop finished requests so the batch stays dense (one copy per finish event)."""
         self.keys, self.values = self.keys[:, rows], self.values[:, rows]
         self.split()
+
+
+def place_rows(tensor: torch.Tensor, slots: list[int], rows: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """`rows`' entry i (along `dim`) into entry slots[i] of `tensor` (requests joining a running batch): a slot inside
+    `tensor` replaces a finished request's entry in place (one entry copied, not the tensor); the slots past it must
+    follow in order (len, len + 1, ...) and are appended -> the tensor, a new one where entries were appended."""
+    size = tensor.shape[dim]
+    reused = next((i for i, slot in enumerate(slots) if slot >= size), len(slots))  # the first slots replace entries
+    if slots[reused:] != list(range(size, size + len(slots) - reused)):
+        raise ValueError(f"slots {slots}: entries of the batch ({size}) first, then the next ones in order")
+    if reused:
+        tensor.index_copy_(dim, torch.tensor(slots[:reused], device=tensor.device), rows.narrow(dim, 0, reused))
+    if reused < len(slots):
+        tensor = torch.cat([tensor, rows.narrow(dim, reused, len(slots) - reused)], dim=dim)
+    return tensor

@@ -15,6 +15,7 @@ import torch
 
 from ..errors import InputError
 from ..models.drafter import DFlashDrafter
+from ..models.kv_cache import place_rows
 from ..models.linear import CastLinear, cast, gemm_dtype
 from ..models.target import GptOssTarget
 from ..plugins.draft_block.cpu import greedy_peak_cpu, serves
@@ -240,18 +241,14 @@ class DFlashProposer:
             self.whole_step.write(features, positions, cache)
         else:
             self.drafter.write_context(features, positions, cache, self.matmul_dtype, self.plan)
-        batch = len(self.context_lens)
-        reused = sum(slot < batch for slot in slots)
-        rows, appended = torch.tensor(slots[:reused], dtype=torch.long, device=device), joining - reused
         self.cache.place(slots, cache)
-        self.context_lens = torch.cat([self.context_lens.index_put((rows,), prompt_lens[:reused]),
-                                       prompt_lens[reused:]])
-        self.no_features = torch.cat([self.no_features, features[reused:, :0]])
-        self.pending = [(torch.cat([chunk, chunk.new_zeros(appended, *chunk.shape[1:])]),
-                         torch.cat([last.index_put((rows,), last.new_tensor(-1)), last.new_full((appended,), -1)]))
-                        for chunk, last in self.pending]
-        self.block = torch.cat([self.block, torch.full((appended, self.block_size), self.mask_token_id,
-                                                       dtype=self.block.dtype, device=device)])
+        self.context_lens = place_rows(self.context_lens, slots, prompt_lens)
+        self.no_features = place_rows(self.no_features, slots, features[:, :0])
+        # the chunks are the verifies' own tensors: copies take the newcomers (as `cat` copied them before)
+        self.pending = [(place_rows(chunk.clone(), slots, chunk.new_zeros(joining, *chunk.shape[1:])),
+                         place_rows(last.clone(), slots, last.new_full((joining,), -1))) for chunk, last in self.pending]
+        self.block = place_rows(self.block, slots, torch.full((joining, self.block_size), self.mask_token_id,
+                                                              dtype=self.block.dtype, device=device))
 
 
 def verify_block(anchors: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models.kv_cache import KVArena
+from ..models.kv_cache import KVArena, place_rows
 from ..models.target import GptOssTarget
 from .accept import greedy_verify_block, rejection_accept, sample_from_probs
 from .interface import Admit, Cancelled, OnTokens, check_request
@@ -218,9 +218,7 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
                     cache.grow(capacity)  # a longer newcomer: room for it in every row
                     joined, first, lens = enter(first_new, taken)
                     cache.place(taken, joined)
-                    reused = torch.tensor(done[:joining], dtype=torch.long, device=device)
-                    anchors = torch.cat([anchors.index_put((reused,), first[: len(reused)]), first[len(reused):]])
-                    positions = torch.cat([positions.index_put((reused,), lens[: len(reused)]), lens[len(reused):]])
+                    anchors, positions = place_rows(anchors, taken, first), place_rows(positions, taken, lens)
                     for slot, request in zip(taken, range(first_new, len(prompts))):
                         if slot < len(rows):
                             rows[slot] = request
@@ -228,7 +226,7 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
                             rows.append(request)
                 continue  # a newcomer may have finished at its first token
             if done:
-                keep = sorted(set(range(len(rows))) - set(done))
+                keep = [i for i, request in enumerate(rows) if finish[request] is None]
                 rows = [rows[i] for i in keep]
                 if not rows:
                     break

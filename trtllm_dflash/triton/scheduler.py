@@ -41,6 +41,17 @@ def take_joining(queue: deque[Job], most: int, fits: Callable[[Job], bool]) -> l
     return joining
 
 
+def still_wanted(jobs: list[Job]) -> list[Job]:
+    """The jobs whose clients still want them; one cancelled while it waited gets its answer now."""
+    wanted = []
+    for job in jobs:
+        if job.gone(every_s=0):
+            job.fail("request cancelled", True)
+        else:
+            wanted.append(job)
+    return wanted
+
+
 class BatchScheduler:
     def __init__(self, run_batch: Callable[[list[Job], Admit], None], max_batch_size: int):
         self.run_batch, self.max_batch_size = run_batch, max_batch_size
@@ -72,11 +83,7 @@ class BatchScheduler:
                 if self.closing:
                     break
                 self.running = take_batch(self.queue, self.max_batch_size)
-            gone = [job.gone(every_s=0) for job in self.running]
-            waiting = [job for job, cancelled in zip(self.running, gone) if not cancelled]
-            for job, cancelled in zip(self.running, gone):
-                if cancelled:
-                    job.fail("request cancelled", True)
+            waiting = still_wanted(self.running)
             if waiting:
                 self.run_batch(waiting, self.admit)
             with self.wake:
@@ -85,7 +92,7 @@ class BatchScheduler:
             job.fail("the model is shutting down", False)
 
     def admit(self, most: int, fits: Callable[[Job], bool]) -> list[Job]:
-        """Jobs that join the running batch now (`take_joining`); one cancelled while it waited gets its answer."""
+        """Jobs that join the running batch now (`take_joining`, `still_wanted`)."""
         if not self.queue:  # asked every step: most steps find nobody waiting, and need not take the lock for that
             return []
         with self.wake:
@@ -93,13 +100,7 @@ class BatchScheduler:
                 return []
             joining = take_joining(self.queue, most, fits)
             self.running += joining
-        live = []
-        for job in joining:
-            if job.gone(every_s=0):
-                job.fail("request cancelled", True)
-            else:
-                live.append(job)
-        return live
+        return still_wanted(joining)
 
     def close(self, timeout_s: float = 10) -> None:
         with self.wake:

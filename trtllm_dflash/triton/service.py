@@ -246,9 +246,11 @@ class DFlashService:
         """Generate for jobs that share sampling parameters (all greedy, or one sampled request). With `admit` (the
         scheduler's) and a runtime that batches in flight, waiting jobs join while it runs: greedy ones with at most
         the batch's max_tokens, up to the engine's max batch size."""
+        def open_stream(job: Job, scheduled_ns: int) -> RequestStream:
+            return RequestStream(job, self.text, frozenset(self.stop_ids), self.block_size, scheduled_ns)
+
         scheduled = time.time_ns()
-        streams = [RequestStream(job, self.text, frozenset(self.stop_ids), self.block_size, scheduled)
-                   for job in jobs]
+        streams = [open_stream(job, scheduled) for job in jobs]
         params = replace(jobs[0].spec.params, max_tokens=max(job.spec.params.max_tokens for job in jobs),
                          stop_token_ids=self.stop_ids)
         # the reference runtime drops a finished or cancelled request from the batch at the next step
@@ -259,10 +261,9 @@ class DFlashService:
                 return job.spec.params.greedy and job.spec.params.max_tokens <= params.max_tokens
 
             def joining(free: int) -> list[list[int]]:
-                jobs = admit(free, fits)
-                streams.extend(RequestStream(job, self.text, frozenset(self.stop_ids), self.block_size, time.time_ns())
-                               for job in jobs)
-                return [job.prompt for job in jobs]
+                arriving = admit(free, fits)
+                streams.extend(open_stream(job, time.time_ns()) for job in arriving)
+                return [job.prompt for job in arriving]
 
             hooks["admit"], batch_size = joining, max(self.max_batch_size, len(jobs))
         try:
