@@ -521,3 +521,4 @@ def test_streaming_holds_back_what_a_stop_string_or_utf8_may_still_change():
 
     assert held_back("the end", ("ending",)) == 3 and held_back("the end", ("xyz",)) == 0
     assert held_back("caf\ufffd", ()) == 1
+    assert held_back("1\ufffd", ("1\u00e9",)) == 2  # half of the stop string's second character, and its first

@@ -71,11 +71,41 @@ Admit = Callable[[int, Callable[[Job], bool]], list[Job]]
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many trailing characters of streamed text to keep back: an incomplete UTF-8 sequence,
-    or the start of a stop string that the next tokens may complete."""
-    if text.endswith("\ufffd"):
-        return len(text) - len(text.rstrip("\ufffd"))
-    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    """How many trailing characters of streamed text to keep back: an incomplete UTF-8 sequence, and before it
+    the start of a stop string that the next tokens may complete."""
+    complete = text.rstrip("\ufffd")
+    return len(text) - len(complete) + max((k for s in stops for k in range(1, len(s)) if complete.endswith(s[:k])),
+                                           default=0)
+
+
+class IncrementalText:
+    """A token stream's text, decoded as tokens arrive from a window of the last few tokens, never the whole stream
+    (decoding everything at every step made a stream quadratic: 0.74 ms a step at 4,096 tokens, 2.8 ms with a stop
+    string, against ~0.03 ms at 128). The window starts one chunk back (`prefix_offset`) so that a tokenizer whose
+    pieces depend on the one before (a leading space) decodes as in the whole text; text is `stable` once its window
+    no longer ends in half a character (U+FFFD). The vLLM / TGI scheme."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.ids: list[int] = []
+        self.stable = ""  # the text of ids[:read_offset]
+        self.prefix_offset = self.read_offset = 0
+
+    def extend(self, ids: list[int]) -> None:
+        self.ids += ids
+        prefix = self.decode(self.ids[self.prefix_offset:self.read_offset])
+        window = self.decode(self.ids[self.prefix_offset:])
+        if len(window) > len(prefix) and not window.endswith("\ufffd"):
+            self.stable += window[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+
+    @property
+    def text(self) -> str:
+        """All of it: the stable text and the tail a later token may still change (e.g. half a character)."""
+        if self.read_offset == len(self.ids):
+            return self.stable
+        prefix = self.decode(self.ids[self.prefix_offset:self.read_offset])
+        return self.stable + self.decode(self.ids[self.prefix_offset:])[len(prefix):]
 
 
 class RequestStream:
@@ -84,9 +114,11 @@ class RequestStream:
 
     def __init__(self, job: Job, decode: Callable[[list[int]], str], stop_ids: frozenset[int], block_size: int,
                  scheduled_ns: int):
-        self.job, self.decode, self.stop_ids = job, decode, stop_ids
+        self.job, self.stop_ids = job, stop_ids
         self.stats = RequestStats(block_size)
         self.tokens: list[int] = []
+        self.output = IncrementalText(decode)  # the text of `tokens`
+        self.searched = 0  # output text searched for stop strings up to here
         self.finish: str | None = None
         self.stop_reason = "None"  # as upstream's str(stop_reason) when nothing stopped it
         self.cut: int | None = None  # text length where a stop string begins
@@ -103,7 +135,7 @@ class RequestStream:
         return self.finish is not None or self.job.gone()
 
     def text(self) -> str:
-        text = self.decode(self.tokens)
+        text = self.output.text
         return self.echo + (text if self.cut is None else text[: self.cut])
 
     def add(self, tokens: list[int]) -> None:
@@ -125,6 +157,7 @@ class RequestStream:
                 self.finish = "length"
             if self.finish:
                 break
+        self.output.extend(self.tokens[len(self.output.ids):])
         if self.finish is not None:
             self.send_final()
         elif self.job.spec.streaming:
@@ -132,17 +165,23 @@ class RequestStream:
             self.send_delta(text[: len(text) - held_back(text, stops)], final=False)
 
     def match_stop_string(self) -> bool:
-        text = self.decode(self.tokens)
-        hits = [(text.find(s), s) for s in self.job.spec.stop_strings if s in text]
+        """Whether the text so far holds a stop string (`cut`: where the first begins). Only the text past what was
+        searched before is searched, from far enough back to catch a stop string that began there."""
+        self.output.extend(self.tokens[len(self.output.ids):])
+        text, stops = self.output.text, self.job.spec.stop_strings
+        start = max(0, self.searched - max(map(len, stops)) + 1)
+        hits = [(at, s) for s in stops if (at := text.find(s, start)) >= 0]
+        self.searched = len(self.output.stable)  # the tail past it may still change
         if hits:
             self.cut, self.stop_reason = min(hits)
         return bool(hits)
 
     def send_delta(self, text: str, final: bool, extra: Outputs | None = None) -> None:
-        ids = self.echo_ids + self.tokens
+        echoed = len(self.echo_ids)  # the ids sent so far: the echoed prompt's, then the output's
+        ids = self.echo_ids[self.sent_ids:] + self.tokens[max(0, self.sent_ids - echoed):]
         outputs = {"text_output": text_array(text[self.sent_chars:]),
-                   "output_ids": np.array(ids[self.sent_ids:], dtype=np.int32), **(extra or {})}
-        self.sent_chars, self.sent_ids = len(text), len(ids)
+                   "output_ids": np.array(ids, dtype=np.int32), **(extra or {})}
+        self.sent_chars, self.sent_ids = len(text), echoed + len(self.tokens)
         try:
             self.job.emit(outputs, final)
         except Exception:  # noqa: BLE001 -- the client is gone: stop generating for it
