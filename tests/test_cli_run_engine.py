@@ -95,3 +95,17 @@ def test_sa_threshold_lives_in_the_manifest_not_the_trtllm_options(tiny_pair, tm
     manifest.write_text(manifest.read_text().replace('"sa_threshold": 3', '"sa_threshold": "3"'))
     result = invoke(engine, "--prompt", "abc")
     assert result.exit_code == 2 and "runtime.sa_threshold" in result.output and "Traceback" not in result.output
+
+
+def test_the_served_baseline_times_the_expert_storages_on_one_token_steps(tiny_pair, tmp_path, monkeypatch):
+    """The autoregressive server never verifies a block: its start-up timing of the expert storages must not weigh
+    one (AMX tiles win 8-token verifies and lose one-token steps on an AMX Xeon, round 32)."""
+    import trtllm_dflash.engine.load as load
+    from trtllm_dflash.engine.manifest import open_engine
+
+    engine = open_engine(build_engine(tiny_pair, tmp_path / "engine"))
+    timed = []
+    monkeypatch.setattr(load, "choose_expert_storage", lambda target, choice, batch, block: timed.append(block))
+    load.reference_runtime(engine, torch.device("cpu"), torch.float32, with_drafter=False)
+    load.reference_runtime(engine, torch.device("cpu"), torch.float32)
+    assert timed == [1, load.engine_speculation(engine)[0]] and timed[1] > 1  # the DFlash server: its verify block

@@ -38,7 +38,8 @@ def reference_runtime(engine: Engine, device: torch.device, dtype: torch.dtype,
     requests, so by default it batches in flight (a finished request's row goes to the next one at the next step)."""
     target = GptOssTarget(load_hf_gpt_oss(engine.target_dir, device, dtype))
     block, schedule = engine_speculation(engine)
-    choose_expert_storage(target, "auto", 1, block or 8)
+    # the baseline only takes one-token steps: time the storages on those (AMX tiles win verifies, lose AR steps here)
+    choose_expert_storage(target, "auto", 1, (block or 8) if with_drafter else 1)
     if not with_drafter:
         return ReferenceRuntime(target, None, inflight=inflight)
     dflash = DFlashProposer(load_drafter(engine.drafter_dir, device, dtype), target, block,
