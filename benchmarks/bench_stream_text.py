@@ -23,7 +23,9 @@ from trtllm_dflash.triton.service import Job, RequestStream
 CASES = (("streaming", True, ()), ("stop string", False, ("<|never|>",)), ("streaming + stop string", True, ("<|never|>",)))
 
 
-def incremental(decode, ids: list[int], length: int, per_step: int, streaming: bool, stops: tuple[str, ...]) -> float:
+def incremental(decode, ids: list[int], length: int, per_step: int, streaming: bool,
+                stops: tuple[str, ...]) -> tuple[float, bool]:
+    """-> (mean time a step over the last 50, whether the stream's text is the whole decode)"""
     spec = RequestSpec(None, ids[:8], SamplingParams(max_tokens=length + 1), streaming=streaming, stop_strings=stops)
     stream = RequestStream(Job(spec, ids[:8], lambda outputs, final: None, lambda message, cancelled=False: None),
                            decode, frozenset(), 8, time.time_ns())
@@ -32,7 +34,7 @@ def incremental(decode, ids: list[int], length: int, per_step: int, streaming: b
         start = time.perf_counter()
         stream.add(ids[at: at + per_step])
         times.append(time.perf_counter() - start)
-    return statistics.mean(times[-50:])
+    return statistics.mean(times[-50:]), stream.text() == decode(stream.tokens)
 
 
 def whole_decodes(decode, ids: list[int], length: int, per_step: int, per_token: bool) -> float:
@@ -59,14 +61,18 @@ def main() -> None:
     per_step = args.tokens_per_step
     print(f"| output tokens | case | incremental us/step | whole-text decodes us/step |")
     print("|---|---|---|---|")
+    identical = True
     for length in lengths:
         for name, streaming, stops in CASES:
             mine, floor = [], []
             for _ in range(args.repeats):
-                mine.append(incremental(tokenizer.decode, ids, length, per_step, streaming, stops))
+                seconds, same = incremental(tokenizer.decode, ids, length, per_step, streaming, stops)
+                mine.append(seconds)
+                identical &= same
                 floor.append(whole_decodes(tokenizer.decode, ids, length, per_step, per_token=bool(stops)))
             print(f"| {length} | {name} | {1e6 * statistics.median(mine):.0f} ({1e6 * min(mine):.0f}..{1e6 * max(mine):.0f}) "
                   f"| {1e6 * statistics.median(floor):.0f} ({1e6 * min(floor):.0f}..{1e6 * max(floor):.0f}) |")
+    print(f"every stream's text identical to the whole decode: {identical}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ CASES = {
                        [r"^\| 1 \| \d+ \| \d+ \| \d+ \| K=\d", r"^### SYNTHETIC"]),
     "bench_drafter_quant": (["--prompts", "2", "--calibration-prompts", "2", "--max-tokens", "8"],
                             [r"^(bf16|fp8|nvfp4) .* 2/2$"]),
+    "bench_stream_text": (["--lengths", "64,256", "--repeats", "1"],
+                          [r"^\| 256 \| streaming \+ stop string \| \d+", r"identical to the whole decode: True$"]),
     "diag_drafter_train_vs_runtime": (["--prompts", "2", "--max-tokens", "8"],
                                       [r"^runtime anchors through the training forward: .*argmax agreement"]),
 }
