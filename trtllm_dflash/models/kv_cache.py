@@ -81,14 +81,28 @@ class KVArena:
         self.split()
 
 
-def place_rows(tensor: torch.Tensor, slots: list[int], rows: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """`rows`' entry i (along `dim`) into entry slots[i] of `tensor` (requests joining a running batch): a slot inside
-    `tensor` replaces a finished request's entry in place (one entry copied, not the tensor); the slots past it must
-    follow in order (len, len + 1, ...) and are appended -> the tensor, a new one where entries were appended."""
-    size = tensor.shape[dim]
-    reused = next((i for i, slot in enumerate(slots) if slot >= size), len(slots))  # the first slots replace entries
+def reused_slots(size: int, slots: list[int]) -> int:
+    """How many of `slots` (requests joining a batch of `size` entries) replace entries: those come first, and the
+    slots past the batch must follow in order (size, size + 1, ...), to be appended."""
+    reused = next((i for i, slot in enumerate(slots) if slot >= size), len(slots))
     if slots[reused:] != list(range(size, size + len(slots) - reused)):
         raise ValueError(f"slots {slots}: entries of the batch ({size}) first, then the next ones in order")
+    return reused
+
+
+def place_items(items: list, slots: list[int], new: list) -> None:
+    """`place_rows` for a Python list (per-row state kept outside tensors), in place."""
+    reused = reused_slots(len(items), slots)
+    for slot, item in zip(slots[:reused], new):
+        items[slot] = item
+    items.extend(new[reused:])
+
+
+def place_rows(tensor: torch.Tensor, slots: list[int], rows: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """`rows`' entry i (along `dim`) into entry slots[i] of `tensor` (requests joining a running batch): a slot inside
+    `tensor` replaces a finished request's entry in place (one entry copied, not the tensor); the slots past it are
+    appended (`reused_slots`) -> the tensor, a new one where entries were appended."""
+    reused = reused_slots(tensor.shape[dim], slots)
     if reused:
         tensor.index_copy_(dim, torch.tensor(slots[:reused], device=tensor.device), rows.narrow(dim, 0, reused))
     if reused < len(slots):

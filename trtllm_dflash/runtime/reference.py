@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models.kv_cache import KVArena, place_rows
+from ..models.kv_cache import KVArena, place_items, place_rows
 from ..models.target import GptOssTarget
 from .accept import greedy_verify_block, rejection_accept, sample_from_probs
 from .interface import Admit, Cancelled, OnTokens, check_request
@@ -53,6 +53,11 @@ def prefill(target: GptOssTarget, prompts: Sequence[Sequence[int]], feature_laye
     with target.reading_experts(target.prefill_storage):  # the same numbers to float32 rounding, sooner
         logits, features = target(tokens, positions, cache, feature_layers, logit_index=lens - 1)
     return cache, logits, features, lens
+
+
+def verify_width(proposer: Proposer | None) -> int:
+    """The widest block a step verifies: the anchor and every draft (1 without a proposer)."""
+    return 1 if proposer is None else proposer.num_drafts + 1
 
 
 def kv_capacity(prompts: Sequence[Sequence[int]], max_tokens: int, block_size: int) -> int:
@@ -124,7 +129,7 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
     joining the batch grows the arenas (`KVArena.grow`, `Proposer.join`). `step_counts` gains the verify steps
     ("steps") and the live rows summed over them ("rows")."""
     device = target.device
-    block_size = 1 if proposer is None else proposer.num_drafts + 1
+    block_size = verify_width(proposer)
     step_times = step_times if step_times is not None else {"draft": 0.0, "verify": 0.0}
     generator = torch.Generator(device=device).manual_seed(params.seed)  # one stream for the run, newcomers too
     stops = set(params.stop_token_ids)
@@ -219,11 +224,7 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
                     joined, first, lens = enter(first_new, taken)
                     cache.place(taken, joined)
                     anchors, positions = place_rows(anchors, taken, first), place_rows(positions, taken, lens)
-                    for slot, request in zip(taken, range(first_new, len(prompts))):
-                        if slot < len(rows):
-                            rows[slot] = request
-                        else:
-                            rows.append(request)
+                    place_items(rows, taken, list(range(first_new, len(prompts))))
                 continue  # a newcomer may have finished at its first token
             if done:
                 keep = [i for i, request in enumerate(rows) if finish[request] is None]
@@ -317,4 +318,4 @@ class ReferenceRuntime:
         return results
 
     def capacity(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> int:
-        return kv_capacity(prompts, params.max_tokens, 1 if self.proposer is None else self.proposer.num_drafts + 1)
+        return kv_capacity(prompts, params.max_tokens, verify_width(self.proposer))

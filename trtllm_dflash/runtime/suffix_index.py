@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..models.kv_cache import place_items
 from ..plugins.compiled import CompiledKernel
 
 KERNEL = CompiledKernel(Path(__file__).with_name("suffix_index.cpp"), "dflash_suffix_index", "compiled suffix index",
@@ -109,11 +110,7 @@ class SuffixIndexes:
     def place(self, slots: list[int]) -> None:
         """Empty indexes for requests joining the batch at rows `slots` (a finished request's, or appended in order;
         `KVArena.place`): they read their prompts at the next `match`."""
-        for slot in slots:
-            if slot < len(self.indexes):
-                self.indexes[slot] = self.make()
-            else:
-                self.indexes.append(self.make())
+        place_items(self.indexes, slots, [self.make() for _ in slots])
 
     def match(self, history: list[list[int]]) -> list[int]:
         """Each index brought up to its row of `history` (lists of token ids; only their new tails are read) -> each

@@ -92,6 +92,8 @@ class IncrementalText:
         self.prefix_offset = self.read_offset = 0
 
     def extend(self, ids: list[int]) -> None:
+        if not ids:  # already decoded (a stop-string search extends token by token)
+            return
         self.ids += ids
         prefix = self.decode(self.ids[self.prefix_offset:self.read_offset])
         window = self.decode(self.ids[self.prefix_offset:])
