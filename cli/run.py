@@ -464,6 +464,9 @@ def main(engine_dir, target_dir, drafter_dir, prompt_texts, prompts_file, chat, 
     stream = None if (as_json or no_stream) else StreamPrinter(tokenizer, prompts)
     spec_runs, base_runs, interrupted = run_interleaved(runtimes, prompt_ids, params, batch_size, repeats, stream)
     results = spec_runs[0]
+    if interrupted and not results:  # Ctrl-C between the loop's start and the first request's prefill, or as the
+        click.echo("\ninterrupted before any request was decoded", err=True)  # first batch returned (CI, round 32)
+        sys.exit(EXIT_INTERRUPTED)
     if interrupted:
         click.echo("\ninterrupted: statistics so far", err=True)
         spec_runs, base_runs = [results], None

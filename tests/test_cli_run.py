@@ -399,6 +399,26 @@ def test_ctrl_c_before_the_loop_exits_130_in_one_line(tiny_pair, monkeypatch):
     assert result.exit_code == 130 and result.output.strip() == "interrupted"
 
 
+def test_ctrl_c_before_any_result_exits_130_without_statistics(tiny_pair, monkeypatch):
+    """SIGINT inside the loop before a request has a result (a KeyboardInterrupt the runtime could not turn into
+    partial results): 130 and one line, not an IndexError from the empty statistics (CI, round 32)."""
+    from trtllm_dflash.runtime.reference import ReferenceRuntime
+
+    generate = ReferenceRuntime.generate
+
+    def interrupted(self, prompts, params, *args, **kwargs):
+        if params.max_tokens == 3:  # the warm-up
+            return generate(self, prompts, params, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ReferenceRuntime, "generate", interrupted)
+    target, drafter = tiny_pair
+    result = invoke("--target", target, "--drafter", drafter, "--prompt", "hi", "--max-tokens", "8")
+    assert result.exit_code == 130, result.output
+    assert result.output.strip().endswith("interrupted before any request was decoded")
+    assert "Traceback" not in result.output
+
+
 def test_no_arguments_without_embedded_pair_is_a_clear_error(monkeypatch, tmp_path):
     import trtllm_dflash.embedded as embedded
 

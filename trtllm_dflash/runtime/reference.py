@@ -251,6 +251,7 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
                 stats[request].record_step(a, from_suffix=bool(from_suffix and from_suffix[row]), drafted=drafted)
                 commit(request, draft_row[:a] + [bonus_token])
             anchors, positions = bonus, positions + num_accepted + 1
+        return results()
     except KeyboardInterrupt:
         now = time.perf_counter()
         for request in range(len(prompts)):
@@ -259,7 +260,6 @@ def generate_batch(target: GptOssTarget, proposer: Proposer | None, prompts: Seq
                 started = stats[request].decode_started  # None: interrupted in its prefill
                 stats[request].decode_time = 0.0 if started is None else now - started
         raise GenerationInterrupted(results()) from None
-    return results()
 
 
 class ReferenceRuntime:
@@ -315,6 +315,8 @@ class ReferenceRuntime:
                                               self.draft_len_schedule, stop, step_counts=self.step_counts))
             except GenerationInterrupted as interrupted:
                 raise GenerationInterrupted(results + interrupted.results) from None
+            except KeyboardInterrupt:  # between batches: what finished still counts
+                raise GenerationInterrupted(results) from None
         return results
 
     def capacity(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> int:
