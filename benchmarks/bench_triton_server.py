@@ -29,11 +29,13 @@ from trtllm_dflash.embedded import heldout_prompts
 from trtllm_dflash.triton.server import free_port
 
 
-def start(engine: str | None, autoregressive: bool, batching: str) -> tuple[subprocess.Popen, str]:
+def start(engine: str | None, autoregressive: bool, batching: str,
+          stream_interval: int | None = None) -> tuple[subprocess.Popen, str]:
     http, grpc = free_port(), free_port()
     command = [str(Path(sys.executable).parent / "dflash-serve"), *([engine] if engine else []),
                "--http-port", str(http), "--grpc-port", str(grpc), "--backend", "reference", "--device", "cpu",
-               "--batching", batching, "--log", "error", *(["--autoregressive"] if autoregressive else [])]
+               "--batching", batching, "--log", "error", *(["--autoregressive"] if autoregressive else []),
+               *(["--stream-interval", str(stream_interval)] if stream_interval else [])]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     for line in process.stderr:
         if line.startswith("ready:"):
@@ -104,13 +106,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batching", default="inflight", help="dflash-serve --batching values, comma-separated")
+    parser.add_argument("--stream-interval", type=int, help="dflash-serve --stream-interval for both servers.")
     parser.add_argument("--json", type=Path, help="Also write the results here.")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the servers inherit a fixed thread count
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = (heldout_prompts() * args.requests)[: args.requests]
     batchings = args.batching.split(",")
-    servers = {mode if len(batchings) == 1 else f"{mode}-{batching}": start(args.engine, mode == "ar", batching)
+    servers = {mode if len(batchings) == 1 else f"{mode}-{batching}": start(args.engine, mode == "ar", batching,
+                                                                             args.stream_interval)
                for batching in batchings for mode in ("dflash", "ar")}
     try:
         for _, url in servers.values():  # warm-up: first calls pay one-time costs

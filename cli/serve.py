@@ -68,6 +68,9 @@ def stub_pids(server_pid: int) -> set[int]:
 @click.option("--batching", type=click.Choice(["inflight", "static"]), default="inflight", show_default=True,
               help="The reference backend's batching: inflight (a request that arrives while a batch runs joins it at "
                    "its next step) or static (it waits for the batch to end). TensorRT-LLM batches in flight itself.")
+@click.option("--stream-interval", type=click.IntRange(min=1),
+              help="Streamed responses at a request's first iteration and every N-th after (TensorRT-LLM's "
+                   "stream_interval). Default: the engine's LLM API option, else 1.")
 @click.option("--tritonserver", "server_choice", default="auto", show_default=True,
               help="auto (system tritonserver, else the nvidia-pytriton one), bundled, or a binary's path.")
 @click.option("--log", "log_level", type=click.Choice(["error", "warning", "info", "verbose"]), default="info",
@@ -76,7 +79,7 @@ def stub_pids(server_pid: int) -> set[int]:
 @click.option("--verify", is_flag=True, help="Check every file of ENGINE_DIR against its sha256 first.")
 @clean_errors
 def main(engine_dir, host, http_port, grpc_port, model_name, backend, device, autoregressive, batching,
-         server_choice, log_level, startup_timeout, verify):
+         stream_interval, server_choice, log_level, startup_timeout, verify):
     """Serve ENGINE_DIR (default: the embedded engine) with Triton Inference Server until Ctrl-C."""
     from trtllm_dflash.runtime.interface import choose_backend
     from trtllm_dflash.triton import server as triton
@@ -91,6 +94,9 @@ def main(engine_dir, host, http_port, grpc_port, model_name, backend, device, au
     if batching == "static" and chosen != "reference":
         raise InputError("static batching is the reference backend's; TensorRT-LLM batches in flight. Add --backend "
                          "reference.", field="--batching")
+    if stream_interval is not None and chosen != "reference":
+        raise InputError("spaces the reference backend's streamed responses; TensorRT-LLM streams at the engine's "
+                         "stream_interval (its LLM API option). Add --backend reference.", field="--stream-interval")
     if chosen == "reference":
         resolve_device(device)
     install = triton.find_server(server_choice)
@@ -103,13 +109,14 @@ def main(engine_dir, host, http_port, grpc_port, model_name, backend, device, au
     options = triton.ServerOptions(work / "models", host, http_port, grpc_port, log_level)
     process, code = None, 0
     try:
-        run = ModelParameters(backend, device, "off" if autoregressive else "dflash", batching)
+        run = ModelParameters(backend, device, "off" if autoregressive else "dflash", batching, stream_interval)
         write_model_repository(options.repository, str(engine.root), engine.llm_api_options(), engine.root,
                                model_name, run)
         backends = triton.assemble_backends(install, work / "backends")
         click.echo(f"dflash-serve: {engine.root} on {install.binary} (backend {chosen}: {reason})", err=True)
         process = triton.TritonProcess(triton.server_command(install, backends, options),
-                                       triton.server_environment(install), lambda line: click.echo(line, err=True))
+                                       triton.server_environment(install), lambda line: click.echo(line, err=True),
+                                       cwd=work)
         url = f"http://{host}:{http_port}"
         try:
             triton.wait_until_ready(process, f"{host}:{http_port}", model_name, startup_timeout, stopping.is_set)

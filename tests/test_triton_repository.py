@@ -368,11 +368,14 @@ def test_echo_and_perf_metrics(model):
     assert times == sorted(times) and times[0] > 0
 
 
-def test_a_cancelled_request_stops_generating(built, model, monkeypatch):
+def test_a_cancelled_request_stops_generating(model, monkeypatch):
     from trtllm_dflash.triton.service import Job
 
     monkeypatch.setattr(Job, "CHECK_EVERY_S", 0.0)
-    cancelled = request(40, streaming=np.array([True]))
+    generate, results = model.service.runtime.generate, []
+    monkeypatch.setattr(model.service.runtime, "generate",
+                        lambda *args, **kwargs: results.extend(generate(*args, **kwargs)) or results)
+    cancelled = request(400, streaming=np.array([True]))
     send = cancelled.sender.send
 
     def send_then_cancel(response, flags=0):  # the client goes away after the first streamed tokens
@@ -384,7 +387,10 @@ def test_a_cancelled_request_stops_generating(built, model, monkeypatch):
     sent = cancelled.responses()
     final = sent[-1][0]
     assert final.error is not None and final.error.code == 7 and "cancelled" in final.error.message
-    assert len(joined(sent)) <= 1 + 2 * built.engine.llm_api_options().speculative_config.max_draft_len
+    # one response (the steps decoded while the sender started, merged), then only the cancellation
+    assert len(sent) == 2 and 0 < len(joined(sent)) < 400
+    [result] = results  # the loop dropped the request at a step soon after the client went away
+    assert result.finish_reason == "cancelled" and len(result.output_token_ids) < 400
 
 
 def test_a_stop_request_cancels_requests_with_its_id(model):
@@ -522,3 +528,22 @@ def test_streaming_holds_back_what_a_stop_string_or_utf8_may_still_change():
     assert held_back("the end", ("ending",)) == 3 and held_back("the end", ("xyz",)) == 0
     assert held_back("caf\ufffd", ()) == 1
     assert held_back("1\ufffd", ("1\u00e9",)) == 2  # half of the stop string's second character, and its first
+
+
+def test_the_stream_interval_is_the_engine_s_unless_dflash_serve_sets_one(built, monkeypatch):
+    """config.pbtxt carries `stream_interval` only when dflash-serve sets one; otherwise the service takes the
+    engine's LLM API option (the GPU profiles' 20), else 1."""
+    from trtllm_dflash.engine.manifest import Engine
+    from trtllm_dflash.triton.repository import ModelParameters, render_config
+    from trtllm_dflash.triton.service import DFlashService
+
+    assert "stream_interval" not in render_config("engine")
+    assert 'key: "stream_interval"\n  value: { string_value: "4" }' in render_config("engine", run=ModelParameters(
+        stream_interval=4))
+    options = built.engine.llm_api_options()
+    monkeypatch.setattr(Engine, "llm_api_options", lambda self: options.model_copy(update={"stream_interval": 20}))
+    services = [DFlashService.from_engine(built.engine.root, "reference", device="cpu", stream_interval=interval)
+                for interval in (None, 3)]
+    assert [service.stream_interval for service in services] == [20, 3]
+    for service in services:
+        service.close()

@@ -71,12 +71,13 @@ def test_the_cli_reports_a_missing_binary_in_one_paragraph(tmp_path):
     assert result.output.count("\n") == 1
 
 
-def test_static_batching_on_tensorrt_llm_is_refused_by_name():
-    """TensorRT-LLM's executor batches in flight itself: `--batching static` is the reference backend's."""
+@pytest.mark.parametrize("option", [["--batching", "static"], ["--stream-interval", "4"]])
+def test_reference_only_options_on_tensorrt_llm_are_refused_by_name(option):
+    """TensorRT-LLM's executor batches in flight and streams at the engine's stream_interval itself."""
     from trtllm_dflash.cli.serve import main
 
-    result = CliRunner().invoke(main, ["--backend", "trtllm", "--batching", "static"])
-    assert result.exit_code == 2 and "--batching" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(main, ["--backend", "trtllm", *option])
+    assert result.exit_code == 2 and option[0] in result.output and "Traceback" not in result.output
 
 
 # ---- a real server (the serve venv) ----------------------------------------------------------
@@ -136,15 +137,16 @@ def expected(engine):
 class Server:
     """dflash-serve on free loopback ports, its output collected."""
 
-    def __init__(self, engine: Path):
+    def __init__(self, engine: Path, *options: str, cwd: Path | None = None):
         self.http_port, self.grpc_port = triton.free_port(), triton.free_port()
         while self.grpc_port == self.http_port:
             self.grpc_port = triton.free_port()
         self.lines: list[str] = []
         self.process = subprocess.Popen(
             [bin_path("dflash-serve"), str(engine), "--http-port", str(self.http_port), "--grpc-port",
-             str(self.grpc_port), "--backend", "reference", "--device", "cpu", "--log", "warning"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+             str(self.grpc_port), "--backend", "reference", "--device", "cpu", "--log", "warning", *options],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            cwd=cwd)
         threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True).start()
         self.shm_prefix = f"triton_python_backend_shm_region_dflash_{self.process.pid}_"
         deadline = time.monotonic() + 120
@@ -194,12 +196,17 @@ def generate(server, prompt: str, max_tokens=MAX_TOKENS, **fields) -> dict:
     return json.loads(body)
 
 
-def generate_stream(server, prompt: str, max_tokens=MAX_TOKENS) -> tuple[list[int], str]:
+def stream_events(server, prompt: str, max_tokens=MAX_TOKENS) -> list[dict]:
     status, body = post(server, "generate_stream", {"text_input": prompt, "sampling_param_max_tokens": max_tokens,
                                                     "streaming": True})
     assert status == 200, body
     events = [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
     assert all("error" not in e for e in events), events
+    return events
+
+
+def generate_stream(server, prompt: str, max_tokens=MAX_TOKENS) -> tuple[list[int], str]:
+    events = stream_events(server, prompt, max_tokens)
     ids = []
     for event in events:  # one id comes back as a scalar in the JSON of a [1] tensor
         out = event.get("output_ids", [])
@@ -395,3 +402,28 @@ def test_sigterm_stops_dflash_serve_within_ten_seconds_leaving_nothing(engine):
     fresh.process.send_signal(signal.SIGTERM)
     assert fresh.process.wait(10) == 0 and time.monotonic() - start < 10
     assert not fresh.leftovers(pids)
+
+
+def test_served_from_a_checkout_the_environment_s_package_runs_and_streams_every_nth_iteration(engine, expected,
+                                                                                               tmp_path):
+    """dflash-serve started in a directory holding another `trtllm_dflash` (a source checkout) serves the
+    environment's (the stub imported its working directory's first, round 32); --stream-interval 4 streams at a
+    request's first iteration, every 4th and its last, the same tokens."""
+    shadow = tmp_path / "trtllm_dflash"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('the caller directory was imported')\n")
+    spaced = Server(engine, "--stream-interval", "4", cwd=tmp_path)
+    try:
+        events = stream_events(spaced, PROMPTS[1])
+    finally:
+        spaced.stop()
+    ids = []
+    for event in events:
+        out = event.get("output_ids", [])
+        ids += out if isinstance(out, list) else [out]
+    assert ids == expected[PROMPTS[1]][0]
+    from trtllm_dflash.engine.manifest import open_engine
+
+    drafts = open_engine(engine).llm_api_options().speculative_config.max_draft_len
+    iterations = 1 + events[-1]["total_draft_tokens"] // drafts  # the prefill, then one verify step each
+    assert iterations > 4 and len(events) <= 2 + iterations // 4

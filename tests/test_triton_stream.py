@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from trtllm_dflash.embedded import TARGET_DIR
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.triton.llmapi import RequestSpec
+from trtllm_dflash.triton.responses import ResponsePump
 from trtllm_dflash.triton.service import IncrementalText, Job, RequestStream
 
 # code with multi-byte characters, which this byte-level tokenizer splits across tokens
@@ -79,16 +80,23 @@ def test_a_long_stream_decodes_windows_of_a_few_tokens(tokenizer):
     assert longest[0] <= 3 * 8
 
 
-def stream(tokenizer, stops: tuple[str, ...], streaming: bool, limit: int = 10_000):
+@pytest.fixture(scope="module")
+def responses():
+    pump = ResponsePump()
+    yield pump
+    pump.close()
+
+
+def stream(tokenizer, responses, stops: tuple[str, ...], streaming: bool, limit: int = 10_000, interval: int = 1):
     spec = RequestSpec(None, [0], SamplingParams(max_tokens=limit), streaming=streaming, stop_strings=stops)
     sent = []
     job = Job(spec, [0], lambda outputs, final: sent.append(outputs), lambda message, cancelled=False: None)
-    return RequestStream(job, tokenizer.decode, frozenset(), 8, time.time_ns()), sent
+    return RequestStream(job, tokenizer.decode, frozenset(), 8, time.time_ns(), responses, interval), sent
 
 
 @settings(max_examples=60, deadline=None)
 @given(text=TEXT, sizes=CHUNKS, data=st.data())
-def test_stop_strings_cut_where_the_whole_decode_first_holds_one(tokenizer, text, sizes, data):
+def test_stop_strings_cut_where_the_whole_decode_first_holds_one(tokenizer, responses, text, sizes, data):
     """Against the brute force: decode every prefix of the stream, stop at the first token whose text holds a stop
     string, cut the text where the earliest one begins."""
     ids = tokenizer.encode(text)
@@ -102,13 +110,38 @@ def test_stop_strings_cut_where_the_whole_decode_first_holds_one(tokenizer, text
             expected_tokens, expected_text = n, prefix[: min(hits)]
             break
     for streaming in (False, True):
-        request, sent = stream(tokenizer, stops, streaming)
+        request, sent = stream(tokenizer, responses, stops, streaming)
         for chunk in chunked(ids, sizes):
             request.add(chunk)
             if request.finish:
                 break
         if not request.finish:
             request.end("length")
+        responses.drain()
         assert len(request.tokens) == expected_tokens
         assert b"".join(outputs["text_output"][0] for outputs in sent).decode() == expected_text
         assert [int(i) for outputs in sent for i in outputs["output_ids"]] == ids[:expected_tokens]
+
+
+@pytest.mark.parametrize("interval", [1, 3, 4])
+def test_deltas_at_the_first_iteration_and_every_stream_interval_th(tokenizer, interval):
+    """TensorRT-LLM's stream_interval: a response at a request's first iteration, every interval-th, and its final,
+    which carries what came since; together the same text and ids."""
+    class Recorder:  # the responses as the stream hands them over (the pump would merge some)
+        def __init__(self):
+            self.emitted = []
+
+        def emit(self, job, outputs, final):
+            self.emitted.append(outputs)
+
+    ids = tokenizer.encode("def f(x):\n    return x + 1  # é 中文\n" * 3)
+    recorder = Recorder()
+    request, _ = stream(tokenizer, recorder, (), streaming=True, limit=len(ids), interval=interval)
+    steps = list(chunked(ids, [1, 3, 2, 4]))
+    for chunk in steps:
+        request.add(chunk)
+    assert request.finish == "length"
+    last = len(steps)
+    assert len(recorder.emitted) == 1 + sum(i == 1 or i % interval == 0 for i in range(1, last))
+    assert b"".join(outputs["text_output"][0] for outputs in recorder.emitted).decode() == tokenizer.decode(ids)
+    assert [int(i) for outputs in recorder.emitted for i in outputs["output_ids"]] == ids

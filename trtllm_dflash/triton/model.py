@@ -46,7 +46,8 @@ class TritonPythonModel:
         self.service = DFlashService.from_engine(engine_dir, params.get("backend", "auto"),
                                                  params.get("verify_checksums") == "true",
                                                  params.get("device", "auto"), params.get("speculation", "dflash"),
-                                                 params.get("batching", "inflight"))
+                                                 params.get("batching", "inflight"),
+                                                 int(params["stream_interval"]) if "stream_interval" in params else None)
         self.scheduler = BatchScheduler(self.service.run_batch, self.service.max_batch_size)
 
     def execute(self, requests):
@@ -73,4 +74,5 @@ class TritonPythonModel:
 
     def finalize(self):
         self.scheduler.close()
+        self.service.close()
         self.service = None

@@ -40,6 +40,7 @@ class ModelParameters:
     device: str = "auto"
     speculation: str = "dflash"  # "off": the target alone, the autoregressive baseline
     batching: str = "inflight"  # the reference backend's; "static": a request waits for the running batch to end
+    stream_interval: int | None = None  # None: the engine's LLM API option (written only when set)
 
 
 def render_config(engine_ref: str, model_name: str = MODEL_NAME, run: ModelParameters = ModelParameters()) -> str:
@@ -47,7 +48,8 @@ def render_config(engine_ref: str, model_name: str = MODEL_NAME, run: ModelParam
     request can stream."""
     inputs = ",\n".join(tensor_block(t, optional=True) for t in INPUTS)
     outputs = ",\n".join(tensor_block(t, optional=False) for t in OUTPUTS)
-    parameters = {"engine_dir": engine_ref, **asdict(run), "verify_checksums": "false"}
+    chosen = {name: value for name, value in asdict(run).items() if value is not None}
+    parameters = {"engine_dir": engine_ref, **chosen, "verify_checksums": "false"}
     params = "\n".join(f'parameters {{\n  key: "{k}"\n  value: {{ string_value: "{v}" }}\n}}'
                        for k, v in parameters.items())
     return (f'name: "{model_name}"\nbackend: "python"\nmax_batch_size: 0\n'

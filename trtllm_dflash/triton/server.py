@@ -225,8 +225,10 @@ class TritonProcess:
     """A tritonserver child in its own session (a terminal's Ctrl-C reaches us, and we stop it in
     order), its output streamed line by line to `echo`."""
 
-    def __init__(self, command: list[str], env: dict[str, str], echo: Callable[[str], None]):
-        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    def __init__(self, command: list[str], env: dict[str, str], echo: Callable[[str], None], cwd: Path):
+        # `cwd` outside the caller's directory: the Python backend's stub imports from its working directory first,
+        # and started in a source checkout it served the checkout's trtllm_dflash, whatever the environment held
+        self.process = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, errors="replace", start_new_session=True)
         self.reader = threading.Thread(target=self._pump, args=(echo,), daemon=True)
         self.reader.start()

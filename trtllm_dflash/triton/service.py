@@ -26,6 +26,7 @@ from ..errors import InputError
 from ..runtime.interface import Runtime, check_request
 from ..runtime.stats import RequestStats
 from .llmapi import RequestSpec, parse_request
+from .responses import ResponsePump
 
 Outputs = dict[str, np.ndarray]
 Emit = Callable[[Outputs, bool], None]  # (output tensors, final)
@@ -112,11 +113,13 @@ class IncrementalText:
 
 class RequestStream:
     """One request's tokens as they are committed: its own max_tokens, stop tokens and strings,
-    streaming deltas, and its final response (with statistics counted from the steps it saw)."""
+    streaming deltas (at its first iteration and every `stream_interval`-th, as TensorRT-LLM's LLM API streams), and
+    its final response (with statistics counted from the steps it saw)."""
 
     def __init__(self, job: Job, decode: Callable[[list[int]], str], stop_ids: frozenset[int], block_size: int,
-                 scheduled_ns: int):
-        self.job, self.stop_ids = job, stop_ids
+                 scheduled_ns: int, responses: ResponsePump, stream_interval: int = 1):
+        self.job, self.stop_ids, self.responses = job, stop_ids, responses
+        self.stream_interval, self.iterations = stream_interval, 0
         self.stats = RequestStats(block_size)
         self.tokens: list[int] = []
         self.output = IncrementalText(decode)  # the text of `tokens`
@@ -144,6 +147,7 @@ class RequestStream:
         if self.done:
             return
         now = time.time_ns()
+        self.iterations += 1
         self.times.setdefault("first_token_time_ns", now)
         self.times["last_token_time_ns"] = now
         if self.tokens:  # every call after the prefill token is one verify step
@@ -162,7 +166,7 @@ class RequestStream:
         self.output.extend(self.tokens[len(self.output.ids):])
         if self.finish is not None:
             self.send_final()
-        elif self.job.spec.streaming:
+        elif self.job.spec.streaming and (self.iterations == 1 or self.iterations % self.stream_interval == 0):
             text = self.text()
             self.send_delta(text[: len(text) - held_back(text, stops)], final=False)
 
@@ -184,10 +188,7 @@ class RequestStream:
         outputs = {"text_output": text_array(text[self.sent_chars:]),
                    "output_ids": np.array(ids, dtype=np.int32), **(extra or {})}
         self.sent_chars, self.sent_ids = len(text), echoed + len(self.tokens)
-        try:
-            self.job.emit(outputs, final)
-        except Exception:  # noqa: BLE001 -- the client is gone: stop generating for it
-            self.job.cancelled = True
+        self.responses.emit(self.job, outputs, final)
 
     def send_final(self) -> None:
         accepted, drafted = acceptance(self.stats)
@@ -209,7 +210,7 @@ class RequestStream:
         if self.finish is not None:
             return
         if self.job.gone(every_s=0):
-            self.job.fail("request cancelled", True)
+            self.responses.fail(self.job, "request cancelled", True)
         else:
             self.finish = runtime_finish
             self.send_final()
@@ -219,17 +220,24 @@ class DFlashService:
     """Runs batches of requests on any `Runtime`; text needs the engine's tokenizer, ids never do."""
 
     def __init__(self, runtime: Runtime, tokenizer, stop_ids: tuple[int, ...], block_size: int = 1,
-                 vocab_size: int | None = None, max_positions: int | None = None, max_batch_size: int = 8):
+                 vocab_size: int | None = None, max_positions: int | None = None, max_batch_size: int = 8,
+                 stream_interval: int = 1):
         self.runtime, self.tokenizer, self.stop_ids = runtime, tokenizer, stop_ids
         self.block_size, self.vocab_size, self.max_positions = block_size, vocab_size, max_positions
-        self.max_batch_size = max_batch_size
+        self.max_batch_size, self.stream_interval = max_batch_size, stream_interval
+        self.responses = ResponsePump()
+
+    def close(self) -> None:
+        """Sends what waits and stops the sender thread (the model unloads)."""
+        self.responses.close()
 
     @classmethod
     def from_engine(cls, engine_dir: str | Path, backend: str = "auto", verify_checksums: bool = False,
-                    device: str = "auto", speculation: str = "dflash", batching: str = "inflight") -> "DFlashService":
+                    device: str = "auto", speculation: str = "dflash", batching: str = "inflight",
+                    stream_interval: int | None = None) -> "DFlashService":
         """speculation "off" serves the target alone (the autoregressive baseline, reference runtime); batching
         "static" makes the reference runtime finish a batch before the next starts (TensorRT-LLM batches in flight
-        itself)."""
+        itself); `stream_interval` (default: the engine's LLM API option, else 1) spaces streamed responses."""
         from ..cli.common import resolve_device, resolve_dtype
         from ..engine.load import engine_runtime, engine_speculation, reference_runtime
         from ..engine.manifest import open_engine
@@ -256,7 +264,9 @@ class DFlashService:
         block, _ = engine_speculation(engine)
         return cls(runtime, tokenizer, tuple(stop_token_ids(engine.target_dir, config)),
                    (block or 1) if speculation != "off" else 1,
-                   config["vocab_size"], positions, options.max_batch_size or 8)
+                   config["vocab_size"], positions, options.max_batch_size or 8,
+                   # TensorRT-LLM's executor applies the engine's stream_interval to what it hands us
+                   (stream_interval or options.stream_interval or 1) if runtime.backend == "reference" else 1)
 
     def prompt_ids(self, spec: RequestSpec) -> list[int]:
         if spec.prompt_ids is not None:
@@ -288,7 +298,8 @@ class DFlashService:
         scheduler's) and a runtime that batches in flight, waiting jobs join while it runs: greedy ones with at most
         the batch's max_tokens, up to the engine's max batch size."""
         def open_stream(job: Job, scheduled_ns: int) -> RequestStream:
-            return RequestStream(job, self.text, frozenset(self.stop_ids), self.block_size, scheduled_ns)
+            return RequestStream(job, self.text, frozenset(self.stop_ids), self.block_size, scheduled_ns,
+                                 self.responses, self.stream_interval)
 
         scheduled = time.time_ns()
         streams = [open_stream(job, scheduled) for job in jobs]
@@ -314,7 +325,8 @@ class DFlashService:
             message = str(exc) if isinstance(exc, InputError) else f"internal error: {type(exc).__name__}: {exc}"
             for stream in streams:
                 if stream.finish is None:
-                    stream.job.fail(message, False)
-            return
-        for stream, result in zip(streams, results):
-            stream.end(result.finish_reason)
+                    self.responses.fail(stream.job, message, False)
+        else:
+            for stream, result in zip(streams, results):
+                stream.end(result.finish_reason)
+        self.responses.drain()  # a batch is over when its clients have their answers
