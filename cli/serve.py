@@ -68,6 +68,10 @@ def stub_pids(server_pid: int) -> set[int]:
 @click.option("--batching", type=click.Choice(["inflight", "static"]), default="inflight", show_default=True,
               help="The reference backend's batching: inflight (a request that arrives while a batch runs joins it at "
                    "its next step) or static (it waits for the batch to end). TensorRT-LLM batches in flight itself.")
+@click.option("--draft-length", type=click.Choice(["fixed", "adaptive"]),
+              help="The reference backend's drafts: dflash-run's adaptive policy (step costs measured at start-up at "
+                   "1, 2, 4, ... rows, each step priced by its live rows) or the engine's verify block every step. "
+                   "[default: adaptive]")
 @click.option("--stream-interval", type=click.IntRange(min=1),
               help="Streamed responses at a request's first iteration and every N-th after (TensorRT-LLM's "
                    "stream_interval). Default: the engine's LLM API option, else 1.")
@@ -79,7 +83,7 @@ def stub_pids(server_pid: int) -> set[int]:
 @click.option("--verify", is_flag=True, help="Check every file of ENGINE_DIR against its sha256 first.")
 @clean_errors
 def main(engine_dir, host, http_port, grpc_port, model_name, backend, device, autoregressive, batching,
-         stream_interval, server_choice, log_level, startup_timeout, verify):
+         draft_length, stream_interval, server_choice, log_level, startup_timeout, verify):
     """Serve ENGINE_DIR (default: the embedded engine) with Triton Inference Server until Ctrl-C."""
     from trtllm_dflash.runtime.interface import choose_backend
     from trtllm_dflash.triton import server as triton
@@ -94,6 +98,9 @@ def main(engine_dir, host, http_port, grpc_port, model_name, backend, device, au
     if batching == "static" and chosen != "reference":
         raise InputError("static batching is the reference backend's; TensorRT-LLM batches in flight. Add --backend "
                          "reference.", field="--batching")
+    if draft_length is not None and chosen != "reference":
+        raise InputError("sizes the reference backend's drafts; TensorRT-LLM sizes them by the engine's "
+                         "draft_len_schedule. Add --backend reference.", field="--draft-length")
     if stream_interval is not None and chosen != "reference":
         raise InputError("spaces the reference backend's streamed responses; TensorRT-LLM streams at the engine's "
                          "stream_interval (its LLM API option). Add --backend reference.", field="--stream-interval")
@@ -109,7 +116,8 @@ def main(engine_dir, host, http_port, grpc_port, model_name, backend, device, au
     options = triton.ServerOptions(work / "models", host, http_port, grpc_port, log_level)
     process, code = None, 0
     try:
-        run = ModelParameters(backend, device, "off" if autoregressive else "dflash", batching, stream_interval)
+        run = ModelParameters(backend, device, "off" if autoregressive else "dflash", batching, stream_interval,
+                              draft_length or "adaptive")
         write_model_repository(options.repository, str(engine.root), engine.llm_api_options(), engine.root,
                                model_name, run)
         backends = triton.assemble_backends(install, work / "backends")

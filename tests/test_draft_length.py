@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from trtllm_dflash.runtime import draft_length
 from trtllm_dflash.runtime.draft_length import (KEY_EDGES, SOURCE_PRIORS, AcceptanceEstimate, AdaptiveDraftLength,
-                                               ConfidenceCalibration, adaptive_draft_length)
+                                               ConfidenceCalibration, CostTables, adaptive_draft_length)
 
 EXPLORE_EVERY = 8  # the policies' default `explore_every`
 
@@ -190,10 +190,13 @@ STEP = st.tuples(st.integers(1, 8),  # rows
 @given(steps=st.lists(STEP, min_size=1, max_size=60), share=st.sampled_from([0.05, 0.5]))
 def test_the_compiled_policy_chooses_as_the_python_one(steps, share):
     """Any run of steps as the hybrid proposer makes them (suffix steps, drafter steps with some rows on suffix drafts,
-    plain steps): the compiled policy returns the Python one's K at every `choose` and `truncate`, and its estimates and
-    calibration expect the same tokens, float for float, after every step."""
+    plain steps), each priced by its rows' table (`CostTables`, as served): the compiled policy returns the Python one's
+    K at every `choose` and `truncate`, and its estimates and calibration expect the same tokens, float for float, after
+    every step."""
     costs = {"neural": [1.0, 2.6, 2.7, 2.9, 3.0, 3.2, 3.3, 3.5], "suffix": [1.0 + 0.07 * k for k in range(16)]}
+    wide = {"neural": [1.0 + 0.9 * k for k in range(8)], "suffix": [1.0 + 0.5 * k for k in range(16)]}  # 4+ rows
     python, compiled = AdaptiveDraftLength(costs, explore_share=share), compiled_policy(costs, explore_share=share)
+    tables = {policy: CostTables({2: costs, 8: wide}) for policy in ("python", "compiled")}
     probes = [0.05 + 0.1 * i for i in range(7)]  # one row of confidences, one per calibration bucket but the last
 
     def same_estimates():
@@ -206,6 +209,8 @@ def test_the_compiled_policy_chooses_as_the_python_one(steps, share):
 
     for rows, kind, most, lengths, kept, confidences in steps:
         same_estimates()
+        tables["python"].price(python, rows)
+        tables["compiled"].price(compiled, rows)
         keys = lengths[:rows]
         if kind == "suffix":
             k = python.choose("suffix", most, keys)
@@ -253,3 +258,36 @@ def test_the_compiled_policy_refuses_what_it_cannot_answer():
         policy.truncate(torch.ones(2, 2), 2, [], [3])
     with pytest.raises(RuntimeError, match="row 2 is outside the batch of 2"):
         policy.observe_drafter(2, [1, 1], torch.ones(2, 2), [0, 2])
+
+
+class Recorder:
+    def __init__(self):
+        self.tables = []
+
+    def set_costs(self, costs):
+        self.tables.append(costs)
+
+
+def test_cost_tables_price_a_step_by_the_smallest_measured_batch_that_holds_its_rows():
+    tables = {rows: {"neural": [float(rows), 2.0 * rows]} for rows in (1, 2, 4, 8)}
+    priced, policy = CostTables(tables), Recorder()
+    for rows in (1, 1, 3, 4, 2, 9, 8, 5):
+        priced.price(policy, rows)
+    assert [table["neural"][0] for table in policy.tables] == [1, 4, 2, 8]  # only when the table changes
+    assert priced.for_rows(3) is tables[4] and priced.for_rows(100) is tables[8]
+
+
+@pytest.mark.parametrize("kind", POLICIES)
+def test_new_step_costs_keep_the_estimates_and_change_the_choice(kind):
+    cheap, dear = {"neural": [1.0, 1.1, 1.2, 1.3]}, {"neural": [1.0, 3.0, 5.0, 7.0]}
+    policy = POLICIES[kind](cheap, explore_every=1000)
+    for _ in range(20):  # drafts that hold
+        k = policy.choose("neural", 3)
+        policy.observe("neural", k, [k])
+    assert policy.choose("neural", 3) == 3
+    policy.set_costs(dear)  # drafting now costs more than the held drafts give
+    assert policy.choose("neural", 3) == 0
+    policy.set_costs(cheap)
+    assert policy.choose("neural", 3) == 3
+    with pytest.raises((ValueError, RuntimeError), match="must keep its 4 entries"):
+        policy.set_costs({"neural": [1.0, 2.0]})

@@ -542,8 +542,17 @@ def test_the_stream_interval_is_the_engine_s_unless_dflash_serve_sets_one(built,
         stream_interval=4))
     options = built.engine.llm_api_options()
     monkeypatch.setattr(Engine, "llm_api_options", lambda self: options.model_copy(update={"stream_interval": 20}))
-    services = [DFlashService.from_engine(built.engine.root, "reference", device="cpu", stream_interval=interval)
-                for interval in (None, 3)]
+    services = [DFlashService.from_engine(built.engine.root, "reference", device="cpu", stream_interval=interval,
+                                          draft_length="fixed") for interval in (None, 3)]
     assert [service.stream_interval for service in services] == [20, 3]
     for service in services:
         service.close()
+
+
+def test_the_served_drafts_follow_the_adaptive_policy_priced_per_live_batch(model):
+    """dflash-serve's default: dflash-run's adaptive policy, with step costs measured at 1, 2, 4 and 8 rows (the
+    engine's max batch size) and a step priced by its live rows' table."""
+    proposer = model.service.runtime.proposer
+    assert proposer.policy is not None and list(proposer.cost_tables.tables) == [1, 2, 4, 8]
+    neural = [table["neural"] for table in proposer.cost_tables.tables.values()]
+    assert neural[-1][-1] > neural[0][-1]  # a full block of 8 rows costs more than one of 1

@@ -71,9 +71,10 @@ def test_the_cli_reports_a_missing_binary_in_one_paragraph(tmp_path):
     assert result.output.count("\n") == 1
 
 
-@pytest.mark.parametrize("option", [["--batching", "static"], ["--stream-interval", "4"]])
+@pytest.mark.parametrize("option", [["--batching", "static"], ["--stream-interval", "4"],
+                                    ["--draft-length", "fixed"]])
 def test_reference_only_options_on_tensorrt_llm_are_refused_by_name(option):
-    """TensorRT-LLM's executor batches in flight and streams at the engine's stream_interval itself."""
+    """TensorRT-LLM's executor batches in flight, sizes drafts and streams at the engine's options itself."""
     from trtllm_dflash.cli.serve import main
 
     result = CliRunner().invoke(main, ["--backend", "trtllm", *option])

@@ -12,6 +12,7 @@ from ..checkpoints.gpt_oss import load_hf_gpt_oss
 from ..models.drafter import load_drafter
 from ..models.linear import drafter_gemm_dtype
 from ..models.target import GptOssTarget
+from ..runtime.draft_length import CostTables, adaptive_draft_length, measure_step_costs
 from ..runtime.interface import Runtime, choose_backend
 from ..runtime.proposers import DEFAULT_SA_THRESHOLD, DFlashProposer, SuffixDFlashProposer, default_sa_max_drafts
 from ..runtime.reference import ReferenceRuntime
@@ -30,12 +31,14 @@ def engine_speculation(engine: Engine) -> tuple[int | None, dict[int, int] | Non
 
 
 def reference_runtime(engine: Engine, device: torch.device, dtype: torch.dtype,
-                      with_drafter: bool = True, inflight: bool = True) -> ReferenceRuntime:
+                      with_drafter: bool = True, inflight: bool = True, draft_length: str = "fixed") -> ReferenceRuntime:
     """DFlash with suffix-automaton drafts (dflash-sa: the engine's threshold and longest suffix draft, by default
     `default_sa_max_drafts` of its verify block) and the engine's
     max_draft_len and schedule (or the autoregressive baseline); the drafter's GEMMs and the experts'
     storage as `dflash-run`'s --drafter-gemm-dtype auto and --expert-dtype auto (timed at batch 1). It serves
-    requests, so by default it batches in flight (a finished request's row goes to the next one at the next step)."""
+    requests, so by default it batches in flight (a finished request's row goes to the next one at the next step).
+    `draft_length` "adaptive": `dflash-run`'s adaptive policy, priced by step costs measured here at 1, 2, 4, ...
+    rows up to the engine's max batch size (`CostTables`), each step by its live rows'."""
     target = GptOssTarget(load_hf_gpt_oss(engine.target_dir, device, dtype))
     block, schedule = engine_speculation(engine)
     # the baseline only takes one-token steps: time the storages on those (AMX tiles win verifies, lose AR steps here)
@@ -45,7 +48,16 @@ def reference_runtime(engine: Engine, device: torch.device, dtype: torch.dtype,
     dflash = DFlashProposer(load_drafter(engine.drafter_dir, device, dtype), target, block,
                             matmul_dtype=drafter_gemm_dtype("auto", dtype, device))
     longest = engine.sa_max_drafts or default_sa_max_drafts(dflash.block_size)
-    proposer = SuffixDFlashProposer(dflash, engine.sa_threshold or DEFAULT_SA_THRESHOLD, max_suffix_drafts=longest)
+    policy, tables = None, None
+    if draft_length == "adaptive":
+        most_rows = engine.llm_api_options().max_batch_size or 8
+        sizes = [1 << i for i in range(most_rows.bit_length()) if 1 << i <= most_rows]
+        tables = CostTables({rows: measure_step_costs(
+            target, lambda: DFlashProposer(dflash.drafter, target, block, matmul_dtype=dflash.matmul_dtype), rows,
+            dflash.num_drafts, suffix_most=longest) for rows in sizes})
+        policy = adaptive_draft_length(tables.for_rows(1))
+    proposer = SuffixDFlashProposer(dflash, engine.sa_threshold or DEFAULT_SA_THRESHOLD, policy=policy,
+                                    max_suffix_drafts=longest, cost_tables=tables)
     return ReferenceRuntime(target, proposer, draft_len_schedule=schedule, inflight=inflight)
 
 
@@ -63,7 +75,7 @@ def engine_backend(engine: Engine, requested: str) -> tuple[str, str]:
 
 
 def engine_runtime(engine: Engine, backend: str, device: torch.device, dtype: torch.dtype,
-                   inflight: bool = True) -> tuple[Runtime, str]:
+                   inflight: bool = True, draft_length: str = "fixed") -> tuple[Runtime, str]:
     """-> (runtime, why this backend): TensorRT-LLM where it is installed with a supported GPU and
     the engine allows it; `inflight`: the reference runtime's batching."""
     chosen, reason = engine_backend(engine, backend)
@@ -71,4 +83,4 @@ def engine_runtime(engine: Engine, backend: str, device: torch.device, dtype: to
         from ..runtime.trtllm import TrtllmRuntime
 
         return TrtllmRuntime(engine.root), reason
-    return reference_runtime(engine, device, dtype, inflight=inflight), reason
+    return reference_runtime(engine, device, dtype, inflight=inflight, draft_length=draft_length), reason

@@ -123,6 +123,16 @@ class Policy {
     }
   }
 
+  // Step costs measured at another live batch size (`CostTables`): the same sources and lengths; the estimates stay.
+  void set_costs(const std::map<std::string, std::vector<double>>& costs) {
+    for (const auto& [name, row] : costs) {
+      Source& source = get(name);
+      TORCH_CHECK(row.size() == source.costs.size(), "new step costs for ", name, " must keep its ",
+                  source.costs.size(), " entries");
+      source.costs = row;
+    }
+  }
+
   int64_t choose(const std::string& name, int64_t most, const std::optional<std::vector<double>>& keys) {
     Source& source = get(name);
     most = std::min(most, static_cast<int64_t>(source.costs.size()) - 1);
@@ -301,6 +311,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::map<std::string, std::vector<double>>&, int64_t, double,
                     const std::map<std::string, double>&, double, double,
                     const std::map<std::string, std::vector<double>>&>())
+      .def("set_costs", &Policy::set_costs, py::arg("costs"))
       .def("choose", &Policy::choose, py::arg("source"), py::arg("most"), py::arg("keys") = py::none())
       .def("truncate", &Policy::truncate, py::arg("confidences"), py::arg("most"),
            py::arg("suffix_keys") = std::vector<double>(), py::arg("rows") = py::none())

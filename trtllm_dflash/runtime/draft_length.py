@@ -178,6 +178,16 @@ class AdaptiveDraftLength:
         self.choices: dict[str, dict] = {source: {} for source in costs}  # `best_choices`' answers until `observe`
         self.chosen: dict[str, list[int]] = {source: [] for source in costs}  # K of every step, for reports
 
+    def set_costs(self, costs: dict[str, list[float]]) -> None:
+        """Step costs measured at another live batch size (`CostTables`): the same sources and lengths; the
+        estimates stay."""
+        for source, row in costs.items():
+            if len(row) != len(self.costs[source]):
+                raise ValueError(f"new step costs for {source} must keep its {len(self.costs[source])} entries")
+        self.costs = {**self.costs, **{source: list(row) for source, row in costs.items()}}
+        for answers in self.choices.values():
+            answers.clear()
+
     def buckets(self, source: str, keys: Sequence[float] | None, rows: int = 1) -> list[int]:
         """Each row's bucket of `source`'s estimates; no keys: the first bucket for each of `rows` rows."""
         if keys is None:
@@ -292,6 +302,29 @@ def adaptive_draft_length(costs: dict[str, list[float]], least: int = 0, decay: 
     return module.Policy({source: list(row) for source, row in costs.items()}, least, decay,
                          {source: priors[source] for source in costs}, explore_every, explore_share,
                          {source: [float(e) for e in edges.get(source, ())] for source in costs})
+
+
+class CostTables:
+    """Step costs measured at several live batch sizes (`measure_step_costs` at each): a served batch grows and
+    shrinks as requests come and go, and a step of 8 rows costs several times one of 1, so a policy priced at one size
+    misjudges the others. `price(policy, rows)` gives the policy the table of the smallest measured size at or above
+    `rows` (else the largest) when that changes."""
+
+    def __init__(self, tables: dict[int, dict[str, list[float]]]):
+        self.tables = dict(sorted(tables.items()))
+        self.in_force: int | None = None
+
+    def for_rows(self, rows: int) -> dict[str, list[float]]:
+        return self.tables[self.size_for(rows)]
+
+    def size_for(self, rows: int) -> int:
+        return next((size for size in self.tables if size >= rows), max(self.tables))
+
+    def price(self, policy, rows: int) -> None:
+        size = self.size_for(rows)
+        if size != self.in_force:
+            policy.set_costs(self.tables[size])
+            self.in_force = size
 
 
 def format_costs(costs: dict[str, list[float]]) -> str:

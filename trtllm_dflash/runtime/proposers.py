@@ -20,7 +20,7 @@ from ..models.linear import CastLinear, cast, gemm_dtype
 from ..models.target import GptOssTarget
 from ..plugins.draft_block.cpu import greedy_peak_cpu, serves
 from .accept import sample_from_probs
-from .draft_length import AdaptiveDraftLength
+from .draft_length import AdaptiveDraftLength, CostTables
 from .sampling import SamplingParams, greedy_tokens, probabilities
 from .suffix_index import SuffixIndexes
 
@@ -356,13 +356,15 @@ class SuffixDFlashProposer:
     needs_history = True
 
     def __init__(self, dflash: DFlashProposer, threshold: int = DEFAULT_SA_THRESHOLD,
-                 policy: AdaptiveDraftLength | None = None, max_suffix_drafts: int | None = None):
+                 policy: AdaptiveDraftLength | None = None, max_suffix_drafts: int | None = None,
+                 cost_tables: CostTables | None = None):
+        """`cost_tables`: the policy's step costs at several live batch sizes, the one of each step's rows in force."""
         if threshold < 1:
             raise InputError(f"expected at least 1, got {threshold}.", field="sa_threshold")
         check_max_suffix_drafts(max_suffix_drafts, dflash.num_drafts, "the block's drafts", "max_suffix_drafts")
         if policy is not None and dflash.policy is not None:
             raise ValueError("give the adaptive draft length to the hybrid proposer only, not to its DFlash proposer")
-        self.dflash, self.threshold, self.policy = dflash, threshold, policy
+        self.dflash, self.threshold, self.policy, self.cost_tables = dflash, threshold, policy, cost_tables
         dflash.keep_confidence = policy is not None
         self.num_drafts = max_suffix_drafts or dflash.num_drafts
         self.feature_layers = dflash.feature_layers
@@ -391,6 +393,8 @@ class SuffixDFlashProposer:
         self.suffix_rows = [length >= self.threshold for length in lengths]
         everyone = all(self.suffix_rows)
         if self.policy is not None:
+            if self.cost_tables is not None:
+                self.cost_tables.price(self.policy, len(lengths))
             chosen = (self.policy.choose("suffix", num_drafts, lengths) if everyone
                       else self.policy.choose("neural", num_drafts))
             # a suffix step verifies what the policy chose; a drafter step drafts the whole block and

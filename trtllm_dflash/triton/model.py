@@ -47,7 +47,8 @@ class TritonPythonModel:
                                                  params.get("verify_checksums") == "true",
                                                  params.get("device", "auto"), params.get("speculation", "dflash"),
                                                  params.get("batching", "inflight"),
-                                                 int(params["stream_interval"]) if "stream_interval" in params else None)
+                                                 int(params["stream_interval"]) if "stream_interval" in params else None,
+                                                 params.get("draft_length", "adaptive"))
         self.scheduler = BatchScheduler(self.service.run_batch, self.service.max_batch_size)
 
     def execute(self, requests):

@@ -41,6 +41,7 @@ class ModelParameters:
     speculation: str = "dflash"  # "off": the target alone, the autoregressive baseline
     batching: str = "inflight"  # the reference backend's; "static": a request waits for the running batch to end
     stream_interval: int | None = None  # None: the engine's LLM API option (written only when set)
+    draft_length: str = "adaptive"  # the reference backend's: dflash-run's policy priced per live batch, or "fixed"
 
 
 def render_config(engine_ref: str, model_name: str = MODEL_NAME, run: ModelParameters = ModelParameters()) -> str:

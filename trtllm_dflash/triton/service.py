@@ -234,10 +234,11 @@ class DFlashService:
     @classmethod
     def from_engine(cls, engine_dir: str | Path, backend: str = "auto", verify_checksums: bool = False,
                     device: str = "auto", speculation: str = "dflash", batching: str = "inflight",
-                    stream_interval: int | None = None) -> "DFlashService":
+                    stream_interval: int | None = None, draft_length: str = "adaptive") -> "DFlashService":
         """speculation "off" serves the target alone (the autoregressive baseline, reference runtime); batching
         "static" makes the reference runtime finish a batch before the next starts (TensorRT-LLM batches in flight
-        itself); `stream_interval` (default: the engine's LLM API option, else 1) spaces streamed responses."""
+        itself); `stream_interval` (default: the engine's LLM API option, else 1) spaces streamed responses;
+        `draft_length` "adaptive" prices the reference runtime's drafts per step (`reference_runtime`)."""
         from ..cli.common import resolve_device, resolve_dtype
         from ..engine.load import engine_runtime, engine_speculation, reference_runtime
         from ..engine.manifest import open_engine
@@ -252,7 +253,8 @@ class DFlashService:
                 raise InputError("the autoregressive baseline runs on the reference backend.", field="backend")
             runtime = reference_runtime(engine, torch_device, dtype, with_drafter=False, inflight=inflight)
         else:
-            runtime, _ = engine_runtime(engine, backend, torch_device, dtype, inflight=inflight)
+            runtime, _ = engine_runtime(engine, backend, torch_device, dtype, inflight=inflight,
+                                        draft_length=draft_length)
         tokenizer = None
         if (engine.target_dir / "tokenizer.json").is_file():
             from transformers import AutoTokenizer
