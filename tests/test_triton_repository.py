@@ -229,7 +229,8 @@ def test_streaming_request_matches_the_baseline(built, model):
     streamed = request(streaming=np.array([True]))
     model.execute([streamed])
     sent = streamed.responses()
-    assert [flags for _, flags in sent] == [0] * (len(sent) - 1) + [1] and len(sent) > 2
+    # the first response at once, then deltas (merged while the sender is busy) and the final
+    assert [flags for _, flags in sent] == [0] * (len(sent) - 1) + [1] and len(sent) >= 2
     assert joined(sent) == baseline_ids(built, PROMPT, 12)
     final = sent[-1][0].outputs
     assert final["total_draft_tokens"][0] > 0 and 0 <= final["acceptance_rate"][0] <= 1

@@ -17,10 +17,12 @@ from trtllm_dflash.triton.service import Job, text_array
 
 
 class Client:
-    """A request's client: records what arrives; `hold` makes sends block until `release`."""
+    """A request's client: records what arrives; `hold` makes every send after the first (which the pump makes from
+    the caller's thread) block until `released`."""
 
     def __init__(self, hold: bool = False, broken: bool = False):
         self.received: list[tuple[dict, bool]] = []
+        self.sends = 0
         self.errors: list[tuple[str, bool]] = []
         self.entered, self.released = threading.Event(), threading.Event()
         self.broken = broken
@@ -30,8 +32,10 @@ class Client:
         self.job = Job(spec, [0], self.emit, self.fail)
 
     def emit(self, outputs, final):
-        self.entered.set()
-        assert self.released.wait(10)
+        self.sends += 1
+        if self.sends > 1:
+            self.entered.set()
+            assert self.released.wait(10)
         if self.broken:
             raise RuntimeError("the client went away")
         self.received.append((outputs, final))
@@ -57,30 +61,33 @@ def pump():
     responses.close()
 
 
-def test_deltas_that_wait_for_a_busy_sender_go_out_as_one(pump):
+def test_the_first_response_goes_at_once_and_deltas_that_wait_for_a_busy_sender_go_out_as_one(pump):
     client = Client(hold=True)
     pump.emit(client.job, delta("a", [1]), False)
-    assert client.entered.wait(10)  # the sender is now inside the first send, blocked
-    for i, piece in enumerate("bcd"):  # queued without waiting (the decode loop's side)
-        pump.emit(client.job, delta(piece, [2 + i]), False)
+    assert [outputs["text_output"][0] for outputs, _ in client.received] == [b"a"]  # sent before emit returned
+    pump.emit(client.job, delta("b", [2]), False)
+    assert client.entered.wait(10)  # the sender is now inside the second send, blocked
+    for i, piece in enumerate("cd"):  # queued without waiting (the decode loop's side)
+        pump.emit(client.job, delta(piece, [3 + i]), False)
     pump.emit(client.job, delta("é", [5], finish_reason=text_array("length")), True)
     client.released.set()
     pump.drain()
-    assert [final for _, final in client.received] == [False, True]
+    assert [final for _, final in client.received] == [False, False, True]
     assert client.text() == "abcdé" and client.ids() == [1, 2, 3, 4, 5]
-    assert client.received[1][0]["finish_reason"][0] == b"length"
+    assert client.received[2][0]["finish_reason"][0] == b"length"
 
 
 def test_an_error_replaces_what_waits(pump):
     client = Client(hold=True)
-    pump.emit(client.job, delta("a", [1]), False)
+    for piece in "ab":
+        pump.emit(client.job, delta(piece, [1]), False)
     assert client.entered.wait(10)
-    pump.emit(client.job, delta("b", [2]), False)
+    pump.emit(client.job, delta("c", [2]), False)
     pump.fail(client.job, "request cancelled", True)
-    pump.emit(client.job, delta("c", [3]), True)  # nothing after the error reaches the client
+    pump.emit(client.job, delta("d", [3]), True)  # nothing after the error reaches the client
     client.released.set()
     pump.drain()
-    assert client.text() == "a" and client.errors == [("request cancelled", True)]
+    assert client.text() == "ab" and client.errors == [("request cancelled", True)]
 
 
 def test_a_failed_send_cancels_the_request(pump):
@@ -93,12 +100,13 @@ def test_a_failed_send_cancels_the_request(pump):
 def test_close_sends_what_waits():
     pump = ResponsePump()
     client = Client(hold=True)
-    pump.emit(client.job, delta("a", [1]), False)
+    for piece in "ab":
+        pump.emit(client.job, delta(piece, [1]), False)
     assert client.entered.wait(10)
-    pump.emit(client.job, delta("b", [2]), True)
+    pump.emit(client.job, delta("c", [2]), True)
     client.released.set()
     pump.close()
-    assert client.text() == "ab" and client.received[-1][1] and not pump.thread.is_alive()
+    assert client.text() == "abc" and client.received[-1][1] and not pump.thread.is_alive()
 
 
 @settings(max_examples=40, deadline=None)
@@ -122,8 +130,9 @@ def test_every_token_arrives_in_order_and_the_final_last(plan):
 
 
 def test_the_decode_loop_does_not_wait_for_a_send():
-    """A client whose first send blocks until generation is over: the batch still decodes to the end (before, each
-    step waited for its send, and this deadlocked), and the client gets every token, in at most two responses."""
+    """A client whose sends after the first block until generation is over: the batch still decodes to the end
+    (before, each step waited for its send, and this deadlocked), and the client gets every token, in at most three
+    responses (the first, sent at once; the one the sender held; the rest merged)."""
     from trtllm_dflash.runtime.stats import GenerationResult, RequestStats
     from trtllm_dflash.triton.service import DFlashService
 
@@ -141,7 +150,8 @@ def test_the_decode_loop_does_not_wait_for_a_send():
     received = []
 
     def emit(outputs, final):
-        assert finished.wait(10), "the loop waited for the send"
+        if received:
+            assert finished.wait(10), "the loop waited for the send"
         received.append((outputs, final))
 
     service = DFlashService(Runtime(), None, (), vocab_size=32, max_positions=64)
@@ -149,17 +159,18 @@ def test_the_decode_loop_does_not_wait_for_a_send():
     service.run_batch([Job(spec, [0], emit, lambda message, cancelled=False: None)])
     service.close()
     assert [int(i) for outputs, _ in received for i in outputs["output_ids"]] == list(range(1, 21))
-    assert len(received) <= 2 and [final for _, final in received][-1]  # the sender held at most the first
+    assert len(received) <= 3 and [final for _, final in received][-1]
 
 
 def test_a_client_that_went_away_gets_no_more_text_and_the_cancellation_last(pump):
     client = Client(hold=True)
-    pump.emit(client.job, delta("a", [1]), False)
+    for piece in "ab":
+        pump.emit(client.job, delta(piece, [1]), False)
     assert client.entered.wait(10)
-    pump.emit(client.job, delta("b", [2]), False)
-    client.job.cancelled = True  # the client went away while its first response was being sent
+    pump.emit(client.job, delta("c", [2]), False)
+    client.job.cancelled = True  # the client went away while its second response was being sent
     client.released.set()
     pump.drain()
-    pump.emit(client.job, delta("c", [3], finish_reason=text_array("length")), True)
+    pump.emit(client.job, delta("d", [3], finish_reason=text_array("length")), True)
     pump.drain()
-    assert client.text() == "a" and client.errors == [("request cancelled", True)]
+    assert client.text() == "ab" and client.errors == [("request cancelled", True)]

@@ -50,6 +50,10 @@ class ResponsePump:
         self.thread.start()
 
     def emit(self, job: Job, outputs: Outputs, final: bool) -> None:
+        if not job.answered:  # a request's first response goes at once, from the caller: else its time to first
+            job.answered = True  # token waits for the sender thread to get the interpreter (up to 5 ms)
+            self.send(job, outputs, final)
+            return
         with self.wake:
             _, waiting = self.pending.setdefault(id(job), (job, Pending()))
             if waiting.error is None:  # after an error the request has had its answer
@@ -82,11 +86,15 @@ class ResponsePump:
                     error = ("request cancelled", True)
                 if error is not None:
                     job.fail(*error)
-                    continue
-                try:
-                    job.emit(waiting.outputs, waiting.final)
-                except Exception:  # noqa: BLE001 -- the client is gone: the loop stops generating for it
-                    job.cancelled = True
+                else:
+                    self.send(job, waiting.outputs, waiting.final)
+
+    @staticmethod
+    def send(job: Job, outputs: Outputs, final: bool) -> None:
+        try:
+            job.emit(outputs, final)
+        except Exception:  # noqa: BLE001 -- the client is gone: the loop stops generating for it
+            job.cancelled = True
 
     def drain(self) -> None:
         with self.wake:

@@ -55,6 +55,7 @@ class Job:
     request_id: str = ""
     arrival_ns: int = field(default_factory=time.time_ns)
     cancelled: bool = False  # set by a `stop` request naming this request's id, or a failed send
+    answered: bool = False  # whether a response went out (`ResponsePump` sends the first at once)
     checked_at: float = 0.0
     CHECK_EVERY_S: ClassVar[float] = 0.05  # asking the client is a round trip to the server
 
