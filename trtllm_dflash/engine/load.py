@@ -38,7 +38,7 @@ def reference_runtime(engine: Engine, device: torch.device, dtype: torch.dtype,
     storage as `dflash-run`'s --drafter-gemm-dtype auto and --expert-dtype auto (timed at batch 1). It serves
     requests, so by default it batches in flight (a finished request's row goes to the next one at the next step).
     `draft_length` "adaptive": `dflash-run`'s adaptive policy, priced by step costs measured here at 1, 2, 4, ...
-    rows up to the engine's max batch size (`CostTables`), each step by its live rows'."""
+    rows up to the engine's max batch size, at most 64 (`CostTables`), each step by its live rows'."""
     target = GptOssTarget(load_hf_gpt_oss(engine.target_dir, device, dtype))
     block, schedule = engine_speculation(engine)
     # the baseline only takes one-token steps: time the storages on those (AMX tiles win verifies, lose AR steps here)
@@ -50,7 +50,9 @@ def reference_runtime(engine: Engine, device: torch.device, dtype: torch.dtype,
     longest = engine.sa_max_drafts or default_sa_max_drafts(dflash.block_size)
     policy, tables = None, None
     if draft_length == "adaptive":
-        most_rows = engine.llm_api_options().max_batch_size or 8
+        # at most 64 rows: a GPU profile's max_batch_size (up to 720) would keep a CPU start-up timing for minutes;
+        # a larger live batch is priced by the largest table
+        most_rows = min(engine.llm_api_options().max_batch_size or 8, 64)
         sizes = [1 << i for i in range(most_rows.bit_length()) if 1 << i <= most_rows]
         tables = CostTables({rows: measure_step_costs(
             target, lambda: DFlashProposer(dflash.drafter, target, block, matmul_dtype=dflash.matmul_dtype), rows,

@@ -20,6 +20,7 @@ import numpy as np
 if TYPE_CHECKING:
     from .service import Job, Outputs
 
+
 @dataclass
 class Pending:
     """What waits to go to one request: a response (outputs, final) or an error (message, cancelled)."""
