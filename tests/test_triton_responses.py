@@ -54,6 +54,13 @@ def delta(text: str, ids: list[int], **extra) -> dict:
     return {"text_output": text_array(text), "output_ids": np.array(ids, dtype=np.int32), **extra}
 
 
+def busy_sender(pump: ResponsePump, client: Client) -> None:
+    """"a" sent at once (a request's first response), "b" queued: returns once the sender is blocked inside "b"."""
+    for piece in "ab":
+        pump.emit(client.job, delta(piece, [1]), False)
+    assert client.entered.wait(10)
+
+
 @pytest.fixture
 def pump():
     responses = ResponsePump()
@@ -79,9 +86,7 @@ def test_the_first_response_goes_at_once_and_deltas_that_wait_for_a_busy_sender_
 
 def test_an_error_replaces_what_waits(pump):
     client = Client(hold=True)
-    for piece in "ab":
-        pump.emit(client.job, delta(piece, [1]), False)
-    assert client.entered.wait(10)
+    busy_sender(pump, client)
     pump.emit(client.job, delta("c", [2]), False)
     pump.fail(client.job, "request cancelled", True)
     pump.emit(client.job, delta("d", [3]), True)  # nothing after the error reaches the client
@@ -100,9 +105,7 @@ def test_a_failed_send_cancels_the_request(pump):
 def test_close_sends_what_waits():
     pump = ResponsePump()
     client = Client(hold=True)
-    for piece in "ab":
-        pump.emit(client.job, delta(piece, [1]), False)
-    assert client.entered.wait(10)
+    busy_sender(pump, client)
     pump.emit(client.job, delta("c", [2]), True)
     client.released.set()
     pump.close()
@@ -164,9 +167,7 @@ def test_the_decode_loop_does_not_wait_for_a_send():
 
 def test_a_client_that_went_away_gets_no_more_text_and_the_cancellation_last(pump):
     client = Client(hold=True)
-    for piece in "ab":
-        pump.emit(client.job, delta(piece, [1]), False)
-    assert client.entered.wait(10)
+    busy_sender(pump, client)
     pump.emit(client.job, delta("c", [2]), False)
     client.job.cancelled = True  # the client went away while its second response was being sent
     client.released.set()

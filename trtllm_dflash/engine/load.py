@@ -53,7 +53,7 @@ def reference_runtime(engine: Engine, device: torch.device, dtype: torch.dtype,
         # at most 64 rows: a GPU profile's max_batch_size (up to 720) would keep a CPU start-up timing for minutes;
         # a larger live batch is priced by the largest table
         most_rows = min(engine.llm_api_options().max_batch_size or 8, 64)
-        sizes = [1 << i for i in range(most_rows.bit_length()) if 1 << i <= most_rows]
+        sizes = [1 << i for i in range(most_rows.bit_length())]  # 1, 2, 4, ... <= most_rows
         tables = CostTables({rows: measure_step_costs(
             target, lambda: DFlashProposer(dflash.drafter, target, block, matmul_dtype=dflash.matmul_dtype), rows,
             dflash.num_drafts, suffix_most=longest) for rows in sizes})

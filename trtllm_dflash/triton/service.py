@@ -120,7 +120,7 @@ class RequestStream:
     def __init__(self, job: Job, decode: Callable[[list[int]], str], stop_ids: frozenset[int], block_size: int,
                  scheduled_ns: int, responses: ResponsePump, stream_interval: int = 1):
         self.job, self.stop_ids, self.responses = job, stop_ids, responses
-        self.stream_interval, self.iterations = stream_interval, 0
+        self.stream_interval = stream_interval
         self.stats = RequestStats(block_size)
         self.tokens: list[int] = []
         self.output = IncrementalText(decode)  # the text of `tokens`
@@ -148,7 +148,6 @@ class RequestStream:
         if self.done:
             return
         now = time.time_ns()
-        self.iterations += 1
         self.times.setdefault("first_token_time_ns", now)
         self.times["last_token_time_ns"] = now
         if self.tokens:  # every call after the prefill token is one verify step
@@ -167,9 +166,14 @@ class RequestStream:
         self.output.extend(self.tokens[len(self.output.ids):])
         if self.finish is not None:
             self.send_final()
-        elif self.job.spec.streaming and (self.iterations == 1 or self.iterations % self.stream_interval == 0):
+        elif self.job.spec.streaming and self.streams_now():
             text = self.text()
             self.send_delta(text[: len(text) - held_back(text, stops)], final=False)
+
+    def streams_now(self) -> bool:
+        """Whether this iteration sends a delta: the first (the prefill's token) and every stream_interval-th."""
+        iteration = len(self.stats.accepted_per_step) + 1  # the verify steps seen, after the prefill
+        return iteration == 1 or iteration % self.stream_interval == 0
 
     def match_stop_string(self) -> bool:
         """Whether the text so far holds a stop string (`cut`: where the first begins). Only the text past what was
