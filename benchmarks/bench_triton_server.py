@@ -1,14 +1,16 @@
-"""Tokens/s and time per output token through a real Triton server (dflash-serve), DFlash vs AR.
+"""Tokens/s and time per output token through a real Triton server (dflash-serve): DFlash vs n-gram vs AR.
 
-Starts two dflash-serve processes on loopback ports (the engine with DFlash, and --autoregressive), each
-with every `--batching` asked for (`dflash-serve --batching`; rows named mode-batching when there are several),
-then, interleaved round by round, sends 16 streaming greedy requests (HTTP generate_stream) at
-each concurrency to each. Per level: aggregate output tokens/s (median and range over rounds),
+Starts one dflash-serve process on loopback ports per `--methods` entry (default: dflash-sa, the served default;
+ngram, prompt lookup, the strongest simple baseline; ar, --autoregressive; dflash, DFlash alone, on request), each
+with every `--batching` asked for (`dflash-serve --batching`; rows named method-batching when there are several),
+then, interleaved round by round, sends `--requests` (16) streaming greedy requests of distinct held-out prompts
+(HTTP generate_stream) at each concurrency to each. Per level: aggregate output tokens/s (median and range over rounds),
 p50/p99 time per output token, per request: (last event - first event) / (tokens after the first
 event), and p50/p99 time to the first event, as the client sees them. Run it in the serve venv
 (pip install -e '.[serve]'):
 
     OMP_NUM_THREADS=1 python benchmarks/bench_triton_server.py [ENGINE_DIR] --rounds 3 [--batching inflight,static]
+        [--methods dflash-sa,ngram,ar]
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ from trtllm_dflash.embedded import heldout_prompts
 from trtllm_dflash.triton.server import free_port
 
 
-def start(engine: str | None, autoregressive: bool, batching: str,
+def start(engine: str | None, method: str, batching: str,
           stream_interval: int | None = None) -> tuple[subprocess.Popen, str]:
+    """dflash-serve with `method`: "ar" (--autoregressive) or a --draft-method."""
     http, grpc = free_port(), free_port()
     command = [str(Path(sys.executable).parent / "dflash-serve"), *([engine] if engine else []),
                "--http-port", str(http), "--grpc-port", str(grpc), "--backend", "reference", "--device", "cpu",
-               "--batching", batching, "--log", "error", *(["--autoregressive"] if autoregressive else []),
+               "--batching", batching, "--log", "error",
+               *(["--autoregressive"] if method == "ar" else ["--draft-method", method]),
                *(["--stream-interval", str(stream_interval)] if stream_interval else [])]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     for line in process.stderr:
@@ -106,16 +110,20 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batching", default="inflight", help="dflash-serve --batching values, comma-separated")
-    parser.add_argument("--stream-interval", type=int, help="dflash-serve --stream-interval for both servers.")
+    parser.add_argument("--methods", default="dflash-sa,ngram,ar",
+                        help="servers to compare, comma-separated: ar (--autoregressive) or --draft-method values")
+    parser.add_argument("--stream-interval", type=int, help="dflash-serve --stream-interval for every server.")
     parser.add_argument("--json", type=Path, help="Also write the results here.")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the servers inherit a fixed thread count
     levels = [int(c) for c in args.concurrency.split(",")]
-    prompts = (heldout_prompts() * args.requests)[: args.requests]
+    # distinct prompts (the first --requests held-out ones, 64 at most): with 4 repeated, requests decoding one prompt
+    # in the same steps were identical rows of a batch, which touch fewer experts than distinct requests do
+    prompts = (heldout_prompts(args.requests) * args.requests)[: args.requests]
     batchings = args.batching.split(",")
-    servers = {mode if len(batchings) == 1 else f"{mode}-{batching}": start(args.engine, mode == "ar", batching,
-                                                                             args.stream_interval)
-               for batching in batchings for mode in ("dflash", "ar")}
+    servers = {method if len(batchings) == 1 else f"{method}-{batching}": start(args.engine, method, batching,
+                                                                                 args.stream_interval)
+               for batching in batchings for method in args.methods.split(",")}
     try:
         for _, url in servers.values():  # warm-up: first calls pay one-time costs
             level(url, prompts[:2], 2, 8)
@@ -124,7 +132,7 @@ def main() -> None:
         ttfts = {(m, c): [] for m in servers for c in levels}
         for _ in range(args.rounds):
             for concurrency in levels:
-                for mode, (_, url) in servers.items():  # interleaved: both see the same machine load
+                for mode, (_, url) in servers.items():  # interleaved: all see the same machine load
                     rate, per_request, first_events = level(url, prompts, concurrency, args.max_tokens)
                     rates[mode, concurrency].append(rate)
                     tpots[mode, concurrency] += per_request
@@ -146,6 +154,11 @@ def main() -> None:
         print(f"| {mode} | {concurrency} | {statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f}) "
               f"| {row['tpot_p50_ms']:.2f} | {row['tpot_p99_ms']:.2f} | {row['ttft_p50_ms']:.1f} "
               f"| {row['ttft_p99_ms']:.1f} |")
+    for baseline in [m for m in ("ar", "ngram") if m in servers]:  # per-round ratios: the rounds are interleaved
+        for mode in [m for m in servers if m != baseline]:
+            ratios = {c: [a / b for a, b in zip(rates[mode, c], rates[baseline, c])] for c in levels}
+            print(f"{mode} / {baseline}: " + ", ".join(
+                f"c={c} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" for c, r in ratios.items()))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -14,6 +14,7 @@ from trtllm_dflash.checkpoints.publish import check_output_path
 from trtllm_dflash.errors import InputError
 from trtllm_dflash.models.linear import DRAFTER_GEMM_DTYPES, drafter_gemm_dtype
 from trtllm_dflash.prompts import encode_prompts, load_tokenizer, read_prompts_file
+from trtllm_dflash.runtime.interface import DRAFT_METHODS
 from trtllm_dflash.runtime.tuning import EXPERT_DTYPES
 
 from .common import EXIT_INTERRUPTED, clean_errors, resolve_device, resolve_dtype
@@ -337,7 +338,7 @@ def run_interleaved(runtimes, prompt_ids, params, batch_size: int, repeats: int,
                    "--baseline each repeat runs every prompt, speculative then autoregressive; later prompts' texts "
                    "print when the run ends). Reference backend only.")
 @click.option("--block-size", type=int, help="Verify block (anchor + drafts); at most the drafter's.")
-@click.option("--draft-method", type=click.Choice(["dflash-sa", "dflash", "ngram"]),
+@click.option("--draft-method", type=click.Choice(DRAFT_METHODS),
               help="dflash-sa = DFlash plus suffix-automaton drafts where the text repeats itself (the reference "
                    "runtime's default); dflash = the drafter alone (the trtllm backend's); ngram = prompt lookup, "
                    "the draft-model-free baseline.")

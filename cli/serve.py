@@ -22,8 +22,10 @@ from pathlib import Path
 import click
 
 from trtllm_dflash.errors import InputError
+from trtllm_dflash.runtime.interface import DRAFT_METHODS
 
 from .common import clean_errors, resolve_device
+from .run import resolve_draft_length
 
 EXIT_SERVER_FAILED = 1
 
@@ -68,10 +70,13 @@ def stub_pids(server_pid: int) -> set[int]:
 @click.option("--batching", type=click.Choice(["inflight", "static"]), default="inflight", show_default=True,
               help="The reference backend's batching: inflight (a request that arrives while a batch runs joins it at "
                    "its next step) or static (it waits for the batch to end). TensorRT-LLM batches in flight itself.")
+@click.option("--draft-method", type=click.Choice(DRAFT_METHODS),
+              help="The reference backend's drafts, as dflash-run's option: DFlash with suffix-automaton drafts, DFlash "
+                   "alone, or n-gram prompt lookup (the draft-model-free baseline). [default: dflash-sa]")
 @click.option("--draft-length", type=click.Choice(["fixed", "adaptive"]),
               help="The reference backend's drafts: dflash-run's adaptive policy (step costs measured at start-up at "
                    "1, 2, 4, ... rows, each step priced by its live rows) or the engine's verify block every step. "
-                   "[default: adaptive]")
+                   "[default: adaptive; fixed for ngram]")
 @click.option("--stream-interval", type=click.IntRange(min=1),
               help="Streamed responses at a request's first iteration and every N-th after (TensorRT-LLM's "
                    "stream_interval). Default: the engine's LLM API option, else 1.")
@@ -83,7 +88,7 @@ def stub_pids(server_pid: int) -> set[int]:
 @click.option("--verify", is_flag=True, help="Check every file of ENGINE_DIR against its sha256 first.")
 @clean_errors
 def main(engine_dir, host, http_port, grpc_port, model_name, backend, device, autoregressive, batching,
-         draft_length, stream_interval, server_choice, log_level, startup_timeout, verify):
+         draft_method, draft_length, stream_interval, server_choice, log_level, startup_timeout, verify):
     """Serve ENGINE_DIR (default: the embedded engine) with Triton Inference Server until Ctrl-C."""
     from trtllm_dflash.runtime.interface import choose_backend
     from trtllm_dflash.triton import server as triton
@@ -98,6 +103,10 @@ def main(engine_dir, host, http_port, grpc_port, model_name, backend, device, au
     if batching == "static" and chosen != "reference":
         raise InputError("static batching is the reference backend's; TensorRT-LLM batches in flight. Add --backend "
                          "reference.", field="--batching")
+    if draft_method is not None and (chosen != "reference" or autoregressive):
+        raise InputError("chooses the reference backend's drafts; TensorRT-LLM runs the engine's DFlash, and "
+                         "--autoregressive drafts nothing. Add --backend reference, or drop --autoregressive.",
+                         field="--draft-method")
     if draft_length is not None and chosen != "reference":
         raise InputError("sizes the reference backend's drafts; TensorRT-LLM sizes them by the engine's "
                          "draft_len_schedule. Add --backend reference.", field="--draft-length")
@@ -106,6 +115,7 @@ def main(engine_dir, host, http_port, grpc_port, model_name, backend, device, au
                          "stream_interval (its LLM API option). Add --backend reference.", field="--stream-interval")
     if chosen == "reference":
         resolve_device(device)
+        resolve_draft_length(draft_length, draft_method or DRAFT_METHODS[0], chosen)  # refuses adaptive n-gram
     install = triton.find_server(server_choice)
     triton.check_ports(host, {"--http-port": http_port, "--grpc-port": grpc_port})
     engine = open_serving_engine(engine_dir, verify)
@@ -117,7 +127,7 @@ def main(engine_dir, host, http_port, grpc_port, model_name, backend, device, au
     process, code = None, 0
     try:
         run = ModelParameters(backend, device, "off" if autoregressive else "dflash", batching, stream_interval,
-                              draft_length or "adaptive")
+                              draft_method=draft_method, draft_length=draft_length)
         write_model_repository(options.repository, str(engine.root), engine.llm_api_options(), engine.root,
                                model_name, run)
         backends = triton.assemble_backends(install, work / "backends")

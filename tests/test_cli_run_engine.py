@@ -106,6 +106,6 @@ def test_the_served_baseline_times_the_expert_storages_on_one_token_steps(tiny_p
     engine = open_engine(build_engine(tiny_pair, tmp_path / "engine"))
     timed = []
     monkeypatch.setattr(load, "choose_expert_storage", lambda target, choice, batch, block: timed.append(block))
-    load.reference_runtime(engine, torch.device("cpu"), torch.float32, with_drafter=False)
+    load.reference_runtime(engine, torch.device("cpu"), torch.float32, draft_method=None)
     load.reference_runtime(engine, torch.device("cpu"), torch.float32)
     assert timed == [1, load.engine_speculation(engine)[0]] and timed[1] > 1  # the DFlash server: its verify block

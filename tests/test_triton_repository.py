@@ -186,16 +186,23 @@ def pb_utils(monkeypatch):
     return module
 
 
-@pytest.fixture
-def model(built, pb_utils):
+def load_model(built, **parameters):
+    """The engine's model.py, initialized as Triton would with config.pbtxt `parameters` (strings) beside the
+    engine directory and the reference backend."""
     model_dir = built.engine.triton_dir / "dflash"
     spec = importlib.util.spec_from_file_location("dflash_triton_model", model_dir / "1" / "model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     instance = module.TritonPythonModel()
-    parameters = {"engine_dir": {"string_value": "../.."}, "backend": {"string_value": "reference"}}
-    instance.initialize({"model_config": json.dumps({"parameters": parameters}),
+    values = {"engine_dir": "../..", "backend": "reference", **parameters}
+    instance.initialize({"model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in values.items()}}),
                          "model_repository": str(model_dir)})
+    return instance
+
+
+@pytest.fixture
+def model(built, pb_utils):
+    instance = load_model(built)
     yield instance
     instance.finalize()
 
@@ -208,7 +215,7 @@ def joined(sent, name="output_ids"):
 
 
 def baseline_ids(built, prompt, max_tokens):
-    runtime = reference_runtime(built.engine, torch.device("cpu"), torch.float32, with_drafter=False)
+    runtime = reference_runtime(built.engine, torch.device("cpu"), torch.float32, draft_method=None)
     [baseline] = runtime.generate([prompt], SamplingParams(max_tokens=max_tokens, stop_token_ids=(256,)))
     return baseline.output_token_ids
 
@@ -557,3 +564,45 @@ def test_the_served_drafts_follow_the_adaptive_policy_priced_per_live_batch(mode
     assert proposer.policy is not None and list(proposer.cost_tables.tables) == [1, 2, 4, 8]
     neural = [table["neural"] for table in proposer.cost_tables.tables.values()]
     assert neural[-1][-1] > neural[0][-1]  # a full block of 8 rows costs more than one of 1
+
+
+@pytest.mark.parametrize("method,proposer,adaptive", [("ngram", "NGramProposer", False),
+                                                      ("dflash", "DFlashProposer", True),
+                                                      ("dflash-sa", "SuffixDFlashProposer", True)])
+def test_each_draft_method_serves_the_baseline_s_tokens(built, pb_utils, method, proposer, adaptive):
+    """dflash-serve --draft-method: the n-gram baseline (a fixed block) and DFlash alone serve as dflash-sa does, the
+    baseline's tokens in one in-flight batch; DFlash's adaptive drafts are priced per live batch like dflash-sa's."""
+    served = load_model(built, draft_method=method)
+    try:
+        runtime = served.service.runtime
+        assert type(runtime.proposer).__name__ == proposer and runtime.inflight
+        tables = getattr(runtime.proposer, "cost_tables", None)
+        assert (runtime.proposer.policy is not None and list(tables.tables) == [1, 2, 4, 8]) if adaptive else \
+            runtime.proposer.num_drafts == built.engine.llm_api_options().speculative_config.max_draft_len
+        prompts, limits = [PROMPT, [87, 111, 114, 108, 100], [84, 104, 101]], [12, 9, 7]
+        requests = [request(n, input_ids=ids(p), streaming=np.array([True])) for p, n in zip(prompts, limits)]
+        with served.scheduler.wake:  # all three in one batch
+            served.execute(requests)
+        for req, prompt, limit in zip(requests, prompts, limits):
+            sent = req.responses()
+            assert joined(sent) == baseline_ids(built, prompt, limit)
+            assert sent[-1][0].outputs["total_draft_tokens"][0] > 0
+    finally:
+        served.finalize()
+
+
+def test_a_draft_method_is_written_to_config_pbtxt_only_when_set_and_refused_where_it_cannot_run(built, pb_utils):
+    from trtllm_dflash.errors import InputError
+    from trtllm_dflash.triton.repository import ModelParameters, render_config
+    from trtllm_dflash.triton.service import DFlashService
+
+    assert "draft_method" not in render_config("engine") and "draft_length" not in render_config("engine")
+    assert 'key: "draft_method"\n  value: { string_value: "ngram" }' in render_config(
+        "engine", run=ModelParameters(draft_method="ngram"))
+    with pytest.raises(InputError, match="adaptive draft length .* not of ngram") as raised:
+        DFlashService.from_engine(built.engine.root, "reference", device="cpu", draft_method="ngram",
+                                  draft_length="adaptive")
+    assert raised.value.field == "draft_length"
+    with pytest.raises(InputError, match="draft method dflash runs on the reference backend") as raised:
+        DFlashService.from_engine(built.engine.root, "trtllm", device="cpu", draft_method="dflash")
+    assert raised.value.field == "backend"

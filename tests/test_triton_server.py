@@ -72,13 +72,23 @@ def test_the_cli_reports_a_missing_binary_in_one_paragraph(tmp_path):
 
 
 @pytest.mark.parametrize("option", [["--batching", "static"], ["--stream-interval", "4"],
-                                    ["--draft-length", "fixed"]])
+                                    ["--draft-length", "fixed"], ["--draft-method", "ngram"]])
 def test_reference_only_options_on_tensorrt_llm_are_refused_by_name(option):
     """TensorRT-LLM's executor batches in flight, sizes drafts and streams at the engine's options itself."""
     from trtllm_dflash.cli.serve import main
 
     result = CliRunner().invoke(main, ["--backend", "trtllm", *option])
     assert result.exit_code == 2 and option[0] in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("options,field", [(["--draft-method", "ngram", "--draft-length", "adaptive"], "--draft-length"),
+                                           (["--autoregressive", "--draft-method", "dflash"], "--draft-method")])
+def test_draft_options_that_mean_nothing_are_refused_by_name(options, field):
+    """n-gram drafts have no measured drafter costs to adapt to; the autoregressive baseline drafts nothing."""
+    from trtllm_dflash.cli.serve import main
+
+    result = CliRunner().invoke(main, ["--backend", "reference", "--device", "cpu", *options])
+    assert result.exit_code == 2 and f"field '{field}'" in result.output and "Traceback" not in result.output
 
 
 # ---- a real server (the serve venv) ----------------------------------------------------------
@@ -206,13 +216,18 @@ def stream_events(server, prompt: str, max_tokens=MAX_TOKENS) -> list[dict]:
     return events
 
 
-def generate_stream(server, prompt: str, max_tokens=MAX_TOKENS) -> tuple[list[int], str]:
-    events = stream_events(server, prompt, max_tokens)
+def event_ids(events: list[dict]) -> list[int]:
+    """The ids streamed over `events`, in order."""
     ids = []
     for event in events:  # one id comes back as a scalar in the JSON of a [1] tensor
         out = event.get("output_ids", [])
         ids += out if isinstance(out, list) else [out]
-    return ids, "".join(e.get("text_output", "") for e in events)
+    return ids
+
+
+def generate_stream(server, prompt: str, max_tokens=MAX_TOKENS) -> tuple[list[int], str]:
+    events = stream_events(server, prompt, max_tokens)
+    return event_ids(events), "".join(e.get("text_output", "") for e in events)
 
 
 def grpc_stream(server, inputs: dict[str, np.ndarray], timeout=60) -> list:
@@ -418,13 +433,22 @@ def test_served_from_a_checkout_the_environment_s_package_runs_and_streams_every
         events = stream_events(spaced, PROMPTS[1])
     finally:
         spaced.stop()
-    ids = []
-    for event in events:
-        out = event.get("output_ids", [])
-        ids += out if isinstance(out, list) else [out]
-    assert ids == expected[PROMPTS[1]][0]
+    assert event_ids(events) == expected[PROMPTS[1]][0]
     from trtllm_dflash.engine.manifest import open_engine
 
     drafts = open_engine(engine).llm_api_options().speculative_config.max_draft_len
     iterations = 1 + events[-1]["total_draft_tokens"] // drafts  # the prefill, then one verify step each
     assert iterations > 4 and len(events) <= 2 + iterations // 4
+
+
+def test_the_n_gram_baseline_served_gives_dflash_run_s_tokens(engine, expected):
+    """dflash-serve --draft-method ngram: prompt lookup through the real server, the same tokens as dflash-run's, with
+    drafts verified (the served comparison's strongest simple baseline)."""
+    ngram = Server(engine, "--draft-method", "ngram")
+    try:
+        for prompt in PROMPTS[:3]:
+            events = stream_events(ngram, prompt)
+            assert event_ids(events) == expected[prompt][0]
+            assert events[-1]["total_draft_tokens"] > 0
+    finally:
+        ngram.stop()

@@ -20,6 +20,7 @@ Cancelled = Callable[[int], bool]  # (request index) -> stop generating for it n
 Admit = Callable[[int], Sequence[Sequence[int]]]  # (free batch rows) -> at most that many prompts to join now
 
 BACKENDS = ("auto", "trtllm", "reference")
+DRAFT_METHODS = ("dflash-sa", "dflash", "ngram")  # the reference runtime's; the first is its default
 
 
 class Runtime(Protocol):

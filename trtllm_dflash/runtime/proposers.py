@@ -78,9 +78,12 @@ class DFlashProposer:
     needs_history = False
 
     def __init__(self, drafter: DFlashDrafter, target: GptOssTarget, block_size: int | None = None,
-                 policy: AdaptiveDraftLength | None = None, matmul_dtype: torch.dtype | None = None):
+                 policy: AdaptiveDraftLength | None = None, matmul_dtype: torch.dtype | None = None,
+                 cost_tables: CostTables | None = None):
+        """`cost_tables` (with a `policy`): its step costs at several live batch sizes, each step's rows' in force."""
         cfg = drafter.config
         self.drafter, self.target, self.policy, self.matmul_dtype = drafter, target, policy, matmul_dtype
+        self.cost_tables = cost_tables
         self.head = None  # None: the target's own LM head (`GptOssTarget.head`), the very copy its verify reads
         if matmul_dtype is not None:
             head = target.hf.lm_head
@@ -150,6 +153,8 @@ class DFlashProposer:
             self.drafter.write_context(features, positions, self.cache, self.matmul_dtype, self.plan)
 
     def propose(self, anchors, anchor_positions, history, num_drafts, params, generator):
+        if self.cost_tables is not None:
+            self.cost_tables.price(self.policy, len(anchors))
         drafting = num_drafts > 0 if self.policy is None else self.policy.choose("neural", num_drafts) > 0
         if not drafting:  # an autoregressive step: the queued context waits for the next draft
             return anchors[:, None], None

@@ -48,7 +48,7 @@ class TritonPythonModel:
                                                  params.get("device", "auto"), params.get("speculation", "dflash"),
                                                  params.get("batching", "inflight"),
                                                  int(params["stream_interval"]) if "stream_interval" in params else None,
-                                                 params.get("draft_length", "adaptive"))
+                                                 params.get("draft_length"), params.get("draft_method"))
         self.scheduler = BatchScheduler(self.service.run_batch, self.service.max_batch_size)
 
     def execute(self, requests):

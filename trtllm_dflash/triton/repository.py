@@ -41,7 +41,10 @@ class ModelParameters:
     speculation: str = "dflash"  # "off": the target alone, the autoregressive baseline
     batching: str = "inflight"  # the reference backend's; "static": a request waits for the running batch to end
     stream_interval: int | None = None  # None: the engine's LLM API option (written only when set)
-    draft_length: str = "adaptive"  # the reference backend's: dflash-run's policy priced per live batch, or "fixed"
+    # the reference backend's, each written only when set: dflash-sa (None), dflash or ngram; dflash-run's policy
+    # priced per live batch ("adaptive", None for dflash-sa and dflash) or the engine's block ("fixed", None for ngram)
+    draft_method: str | None = None
+    draft_length: str | None = None
 
 
 def render_config(engine_ref: str, model_name: str = MODEL_NAME, run: ModelParameters = ModelParameters()) -> str:

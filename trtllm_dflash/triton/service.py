@@ -239,11 +239,14 @@ class DFlashService:
     @classmethod
     def from_engine(cls, engine_dir: str | Path, backend: str = "auto", verify_checksums: bool = False,
                     device: str = "auto", speculation: str = "dflash", batching: str = "inflight",
-                    stream_interval: int | None = None, draft_length: str = "adaptive") -> "DFlashService":
+                    stream_interval: int | None = None, draft_length: str | None = None,
+                    draft_method: str | None = None) -> "DFlashService":
         """speculation "off" serves the target alone (the autoregressive baseline, reference runtime); batching
         "static" makes the reference runtime finish a batch before the next starts (TensorRT-LLM batches in flight
         itself); `stream_interval` (default: the engine's LLM API option, else 1) spaces streamed responses;
-        `draft_length` "adaptive" prices the reference runtime's drafts per step (`reference_runtime`)."""
+        `draft_method` (reference runtime: dflash-sa, the default, dflash or ngram) how it drafts; `draft_length`
+        "adaptive" (default for dflash-sa and dflash) prices its drafts per step (`reference_runtime`), "fixed" (default
+        for ngram) drafts the engine's block."""
         from ..cli.common import resolve_device, resolve_dtype
         from ..engine.load import engine_runtime, engine_speculation, reference_runtime
         from ..engine.manifest import open_engine
@@ -253,13 +256,16 @@ class DFlashService:
         torch_device = resolve_device(device)
         dtype = resolve_dtype("auto", torch_device)
         inflight = batching == "inflight"
-        if speculation == "off":
+        if speculation == "off" or draft_method is not None:
             if choose_backend(backend)[0] != "reference":
-                raise InputError("the autoregressive baseline runs on the reference backend.", field="backend")
-            runtime = reference_runtime(engine, torch_device, dtype, with_drafter=False, inflight=inflight)
+                what = "the autoregressive baseline" if speculation == "off" else f"draft method {draft_method}"
+                raise InputError(f"{what} runs on the reference backend.", field="backend")
+        if speculation == "off":
+            runtime = reference_runtime(engine, torch_device, dtype, None, inflight)
         else:
-            runtime, _ = engine_runtime(engine, backend, torch_device, dtype, inflight=inflight,
-                                        draft_length=draft_length)
+            method = draft_method or "dflash-sa"
+            runtime, _ = engine_runtime(engine, backend, torch_device, dtype, inflight,
+                                        draft_length or ("fixed" if method == "ngram" else "adaptive"), method)
         tokenizer = None
         if (engine.target_dir / "tokenizer.json").is_file():
             from transformers import AutoTokenizer
