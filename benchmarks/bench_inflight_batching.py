@@ -3,11 +3,12 @@
     python benchmarks/bench_inflight_batching.py [--target DIR --drafter DIR] [--prompts 16] [--max-tokens 128]
                                                  [--batch-sizes 4,8] [--repeats 5] [--threads 1]
 
-Per batch size, four runtimes decode all prompts (greedy, no stop ids): autoregressive and the reference runtime's
+Per batch size, five runtimes decode all prompts (greedy, no stop ids): autoregressive and the reference runtime's
 default (dflash-sa, threshold 2, suffix drafts up to 2 x block - 1, the adaptive draft length from step costs measured
 here at that batch size), each with static batches (`ReferenceRuntime`'s default: a batch's rows wait for its slowest
-request) and in-flight (`inflight=True`: a finished request's row goes to the next prompt at the next step). Every
-repeat runs the four in a rotating order; a run's rate is its output tokens over the wall time of its whole
+request) and in-flight (`inflight=True`: a finished request's row goes to the next prompt at the next step), and
+n-gram prompt lookup in flight (a block of drafts every step: the strongest simple baseline, as `dflash-serve
+--draft-method ngram` serves it). Every repeat runs the five in a rotating order; a run's rate is its output tokens over the wall time of its whole
 `generate` call (prefills included: in-flight prefills land between other requests' steps). Speed-ups are per repeat,
 over the static autoregressive run of that repeat: median (min..max). Outputs are checked against batch-1
 autoregressive decoding.
@@ -24,8 +25,8 @@ import torch
 from trtllm_dflash.bench.local_pair import add_pair_arguments, load_local_pair
 from trtllm_dflash.models.linear import drafter_gemm_dtype
 from trtllm_dflash.runtime.draft_length import adaptive_draft_length, measure_step_costs
-from trtllm_dflash.runtime.proposers import (DEFAULT_SA_THRESHOLD, DFlashProposer, SuffixDFlashProposer,
-                                             default_sa_max_drafts)
+from trtllm_dflash.runtime.proposers import (DEFAULT_SA_THRESHOLD, DFlashProposer, NGramProposer,
+                                             SuffixDFlashProposer, default_sa_max_drafts)
 from trtllm_dflash.runtime.reference import ReferenceRuntime
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.runtime.tuning import choose_expert_storage
@@ -61,7 +62,8 @@ def main() -> None:
         runtimes = {"autoregressive static": ReferenceRuntime(target, None),
                     "autoregressive inflight": ReferenceRuntime(target, None, inflight=True),
                     "default static": ReferenceRuntime(target, default()),
-                    "default inflight": ReferenceRuntime(target, default(), inflight=True)}
+                    "default inflight": ReferenceRuntime(target, default(), inflight=True),
+                    "ngram inflight": ReferenceRuntime(target, NGramProposer(num_drafts=block - 1), inflight=True)}
         for runtime in runtimes.values():
             runtime.warm_up(prompts[0])
         rates: dict[str, list[float]] = {name: [] for name in runtimes}

@@ -27,7 +27,7 @@ CASES = {
     "bench_expert_storage": (["--prompts", "2", "--max-tokens", "8", "--repeats", "1"],
                              [r"outputs identical across storages and methods: True", r"^start-up timing .* -> \w+$"]),
     "bench_inflight_batching": (["--prompts", "3", "--max-tokens", "8", "--repeats", "1", "--batch-sizes", "2"],
-                                [r"^    2  (autoregressive|default) (static|inflight) .* 3/3$"]),
+                                [r"^    2  (autoregressive|default|ngram) (static|inflight) .* 3/3$"]),
     "bench_pair_quality": (["--heldout", "2", "--third-party", "2", "--long", "2", "--max-tokens", "8"],
                            [r"^  heldout-64 .*lossless 2/2$", r"^  lossless at batch 3: 16/16, 8: 16/16$"]),
     "bench_schedule": (["--concurrency", "1", "--draft-lengths", "1", "--prompts", "2", "--max-tokens", "8",
@@ -54,8 +54,8 @@ def test_benchmark_script_runs_to_its_report(script):
         assert matches, f"{script}: no line matches {pattern!r} in:\n{done.stdout[-3000:]}"
     if script == "bench_reference_runtime":  # every method's row, each lossless
         assert len(re.findall(CASES[script][1][0], done.stdout, flags=re.MULTILINE)) == 17
-    if script == "bench_inflight_batching":  # both runtimes, both batchings, each lossless
-        assert len(re.findall(CASES[script][1][0], done.stdout, flags=re.MULTILINE)) == 4
+    if script == "bench_inflight_batching":  # both runtimes, both batchings, and n-gram in flight, each lossless
+        assert len(re.findall(CASES[script][1][0], done.stdout, flags=re.MULTILINE)) == 5
     if script == "bench_drafter_quant":
         assert len(re.findall(CASES[script][1][0], done.stdout, flags=re.MULTILINE)) == 3
 
