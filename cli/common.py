@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
+import signal
 import sys
 from collections.abc import Callable
 
@@ -22,6 +24,7 @@ def clean_errors(command: Callable) -> Callable:
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
+        ignore_interrupts_at_exit()
         try:
             return command(*args, **kwargs)
         except (InputError, MissingDependencyError) as exc:
@@ -36,6 +39,13 @@ def clean_errors(command: Callable) -> Callable:
             sys.exit(EXIT_INTERRUPTED)
 
     return wrapper
+
+
+@functools.cache
+def ignore_interrupts_at_exit() -> None:
+    """Ctrl-C once the interpreter exits is ignored: the command has reported, and a KeyboardInterrupt in torch's
+    exit hooks printed a traceback after it (round 33). Registered after torch's (at its import), so it runs first."""
+    atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
 
 
 def parse_ints(text: str, option: str, least: int) -> list[int]:

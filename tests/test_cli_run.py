@@ -419,6 +419,23 @@ def test_ctrl_c_before_any_result_exits_130_without_statistics(tiny_pair, monkey
     assert "Traceback" not in result.output
 
 
+
+@pytest.mark.parametrize("ignored", [True, False])
+def test_ctrl_c_while_the_interpreter_exits_is_ignored_once_a_command_ran(ignored):
+    """A SIGINT during interpreter exit, after the command reported, raised KeyboardInterrupt in torch's exit hooks
+    (a traceback after the report, round 33). Every command registers `ignore_interrupts_at_exit`; an exit hook that
+    signals the process, registered before it as torch's are, then raises nothing (and does without it)."""
+    import subprocess
+    import sys
+
+    script = ("import atexit, os, signal, time\n"
+              "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.5)))\n"
+              "from trtllm_dflash.cli.common import clean_errors\n"
+              f"clean_errors(lambda: None)() if {ignored} else None\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    assert ("KeyboardInterrupt" in done.stderr) is not ignored, done.stderr
+
 def test_no_arguments_without_embedded_pair_is_a_clear_error(monkeypatch, tmp_path):
     import trtllm_dflash.embedded as embedded
 
