@@ -586,7 +586,8 @@ def test_each_draft_method_serves_the_baseline_s_tokens(built, pb_utils, method,
         for req, prompt, limit in zip(requests, prompts, limits):
             sent = req.responses()
             assert joined(sent) == baseline_ids(built, prompt, limit)
-            assert sent[-1][0].outputs["total_draft_tokens"][0] > 0
+            # a fixed block drafts every step; the adaptive policy may choose plain steps throughout on this pair
+            assert adaptive or sent[-1][0].outputs["total_draft_tokens"][0] > 0
     finally:
         served.finalize()
 
