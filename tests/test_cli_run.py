@@ -428,7 +428,10 @@ def test_ctrl_c_while_the_interpreter_exits_is_ignored_once_a_command_ran(ignore
     import subprocess
     import sys
 
+    # Python's own SIGINT handler, whatever the parent left (a background job of a non-interactive shell starts
+    # with SIGINT ignored, and Python then installs none)
     script = ("import atexit, os, signal, time\n"
+              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
               "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.5)))\n"
               "from trtllm_dflash.cli.common import clean_errors\n"
               f"clean_errors(lambda: None)() if {ignored} else None\n")
