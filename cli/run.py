@@ -14,7 +14,7 @@ from trtllm_dflash.checkpoints.publish import check_output_path
 from trtllm_dflash.errors import InputError
 from trtllm_dflash.models.linear import DRAFTER_GEMM_DTYPES, drafter_gemm_dtype
 from trtllm_dflash.prompts import encode_prompts, load_tokenizer, read_prompts_file
-from trtllm_dflash.runtime.interface import DRAFT_METHODS
+from trtllm_dflash.runtime.interface import DRAFT_METHODS, default_draft_length
 from trtllm_dflash.runtime.tuning import EXPERT_DTYPES
 
 from .common import EXIT_INTERRUPTED, clean_errors, resolve_device, resolve_dtype
@@ -156,8 +156,7 @@ def resolve_draft_method(draft_method: str | None, sa_threshold: int | None, sa_
 
 
 def resolve_draft_length(draft_length: str | None, method: str, backend: str) -> str:
-    """-> "fixed" or "adaptive". Default: adaptive on the reference runtime for dflash and dflash-sa
-    (faster at every batch size measured, docs/benchmarks.md), fixed for n-gram and on TensorRT-LLM
+    """-> "fixed" or "adaptive". Default: `default_draft_length` on the reference runtime, fixed on TensorRT-LLM
     (which sizes drafts by the engine's draft_len_schedule)."""
     if draft_length == "adaptive" and backend == "trtllm":
         raise InputError("--draft-length adaptive runs on the reference backend only (TensorRT-LLM sizes drafts by "
@@ -165,9 +164,9 @@ def resolve_draft_length(draft_length: str | None, method: str, backend: str) ->
     if draft_length == "adaptive" and method == "ngram":
         raise InputError("sizes the drafts of dflash and dflash-sa from the drafter's measured step costs; "
                          "it means nothing with --draft-method ngram.", field="--draft-length")
-    if backend == "trtllm" or method == "ngram":
+    if backend == "trtllm":
         return "fixed"
-    return draft_length or "adaptive"
+    return draft_length or default_draft_length(method)
 
 
 def check_drafter_gemm(drafter_gemm: str | None, method: str, backend: str) -> None:

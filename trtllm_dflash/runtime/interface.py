@@ -23,6 +23,12 @@ BACKENDS = ("auto", "trtllm", "reference")
 DRAFT_METHODS = ("dflash-sa", "dflash", "ngram")  # the reference runtime's; the first is its default
 
 
+def default_draft_length(method: str) -> str:
+    """The reference runtime's draft length for `method` unless asked otherwise: adaptive for dflash-sa and dflash
+    (faster at every batch size measured, docs/benchmarks.md), fixed for n-gram (no drafter costs to adapt to)."""
+    return "fixed" if method == "ngram" else "adaptive"
+
+
 class Runtime(Protocol):
     backend: str
 

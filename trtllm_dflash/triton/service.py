@@ -23,7 +23,7 @@ import numpy as np
 
 from ..checkpoints.gpt_oss import read_target_config, stop_token_ids
 from ..errors import InputError
-from ..runtime.interface import Runtime, check_request
+from ..runtime.interface import Runtime, check_request, default_draft_length
 from ..runtime.stats import RequestStats
 from .llmapi import RequestSpec, parse_request
 from .responses import ResponsePump
@@ -265,7 +265,7 @@ class DFlashService:
         else:
             method = draft_method or "dflash-sa"
             runtime, _ = engine_runtime(engine, backend, torch_device, dtype, inflight,
-                                        draft_length or ("fixed" if method == "ngram" else "adaptive"), method)
+                                        draft_length or default_draft_length(method), method)
         tokenizer = None
         if (engine.target_dir / "tokenizer.json").is_file():
             from transformers import AutoTokenizer
