@@ -238,8 +238,8 @@ def test_greedy_drafts_and_their_confidence_match_the_torch_path():
     (3, 10, False, torch.bfloat16), (1, None, True, torch.int8), (3, 10, False, torch.int8)])
 def test_the_whole_compiled_step_drafts_what_the_per_call_path_drafts(batch, window, greedy, dtype, monkeypatch):
     """A drafter step in one compiled call (`WholeDraftStep`, every GEMM the bf16 or int8 dot kernel) from the same
-    state as the per-call compiled path, over a first step that writes the prompts' context, steps that commit 1-4
-    tokens, steps that only write the committed tokens' context and a window that cuts: the same verify blocks
+    state as the per-call compiled path, over steps that commit 1-4 tokens, steps that only write the committed
+    tokens' context (as a suffix-drafted step does; the prompts' too) and a window that cuts: the same verify blocks
     (the anchors, then the drafts), confidences and sampling distributions, and the same context K/V in the arena."""
     if cpu.dot_kernel(dtype) is None:
         pytest.skip(f"no {dtype} dot GEMM here")
@@ -262,7 +262,7 @@ def test_the_whole_compiled_step_drafts_what_the_per_call_path_drafts(batch, win
         _, features = target(prompts, torch.arange(12).expand(batch, -1), target.new_cache(batch, 60),
                              proposer.feature_layers)
         with monkeypatch.context() as patch:
-            if not whole:  # the whole run through the per-call path
+            if not whole:  # the prompts' context through the per-call path too
                 patch.setattr(drafter, "whole_step", lambda *args: None)
             proposer.start(features, lens, 60)
         assert (proposer.whole_step is not None) == whole
@@ -272,8 +272,8 @@ def test_the_whole_compiled_step_drafts_what_the_per_call_path_drafts(batch, win
             block, q = proposer.draft(anchors, positions, 3, params, torch.Generator().manual_seed(step))
             assert block.shape == (batch, 4) and torch.equal(block[:, 0], anchors)
             steps.append((block, q, proposer.confidence))
-            for _ in range(2):  # two steps' commits written alone (`write_pending_context`): the next draft then
-                # has no committed rows of its own (the first draft writes the prompts' context in its forward)
+            for _ in range(2):  # two steps' commits written alone (`write_pending_context`, as `start` writes the
+                # prompts'): the next draft then has no committed rows of its own
                 proposer.commit(torch.randn(batch, 4, features.shape[-1], generator=gen), torch.tensor(kept))
                 positions = positions + torch.tensor(kept) + 1
             proposer.write_pending_context()

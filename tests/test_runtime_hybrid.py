@@ -259,8 +259,9 @@ def test_drafter_context_is_complete_after_suffix_only_steps(random_pair):
     params = SamplingParams(max_tokens=30, temperature=1.0)
     scripted = ScriptedHybrid(DFlashProposer(drafter, target), suffix_steps=5)
     ReferenceRuntime(target, scripted).generate(prompts[:3], params, batch_size=3)
-    # the prompts' context and the suffix steps' commits wait for the drafter's step, which writes them all
-    assert scripted.context_current == [False] * 5 + [True]
+    # the first step's context is the prompts' (written at start); the next four steps' commits wait for the
+    # drafter's step, which writes them all
+    assert scripted.context_current == [True] + [False] * 4 + [True]
     history, positions, q = scripted.seen
     assert (positions >= torch.tensor([len(p) for p in prompts[:3]]) + 5).all()  # the steps committed tokens
     fresh = DFlashProposer(drafter, target)

@@ -366,8 +366,7 @@ def measure_step_costs(target, make_proposer, batch: int, most: int, context: in
     cache = target.new_cache(batch, capacity)
     _, features = target(tokens, positions, cache, proposer.feature_layers)
     lens = torch.full((batch,), context, device=device)
-    proposer.start(features, lens, capacity)
-    proposer.write_pending_context()  # the prompts', which a run's first drafter step writes: no step's cost here
+    proposer.start(features, lens, capacity)  # writes the context
     new_features = features[:, :committed]
     kept = torch.full((batch,), committed - 1, device=device)
     params, anchors = SamplingParams(), tokens[:, -1]

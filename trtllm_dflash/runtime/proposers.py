@@ -104,9 +104,8 @@ class DFlashProposer:
     def start(self, features, prompt_lens, capacity):
         """Sizes every per-step buffer once: the draft arena (context plus one block of scratch), the
         block of tokens (mask ids after the anchor column) and the column offsets; decides how the drafter
-        runs (`DFlashDrafter.plan`); and queues the prompts' features: the first drafter step writes their
-        context K/V in its own forward, so a request that never runs the drafter (its steps plain or
-        suffix-drafted) never pays the drafter's prefill (1-2% of a default run, round 35)."""
+        runs (`DFlashDrafter.plan`); and writes the prompts' context K/V, the drafter's prefill (so a step's
+        cost does not depend on whether it is the first)."""
         batch, device = len(prompt_lens), prompt_lens.device
         self.plan = self.drafter.plan(self.matmul_dtype)  # the drafter stays as it is for this generate call
         self.cache = self.drafter.new_cache(batch, capacity)
@@ -120,6 +119,7 @@ class DFlashProposer:
         self.no_features = features[:, :0]
         self.columns = torch.arange(capacity, device=device)
         self.block = torch.full((batch, self.block_size), self.mask_token_id, dtype=torch.long, device=device)
+        self.write_pending_context()
 
     def take_pending(self) -> tuple[torch.Tensor, torch.Tensor | int, int | None]:
         """The queued committed positions' features and their arena positions (`write_context`'s), the queue
@@ -142,7 +142,8 @@ class DFlashProposer:
         return features, positions, None
 
     def write_pending_context(self) -> None:
-        """Write the queued context K/V now (a drafter step writes it in its own forward)."""
+        """Write the queued context K/V now (the prompts' at `start`; a drafter step writes the committed tokens'
+        in its forward)."""
         features, positions, _ = self.take_pending()
         if not features.shape[1]:
             return
