@@ -189,6 +189,24 @@ def test_warm_start_grows_a_drafter_without_changing_its_output(tmp_path):
                                drafter_block_logits(shallow, target, sequence, anchors))
 
 
+def test_warm_start_takes_every_tensor_of_a_drafter_with_another_block_size(tmp_path):
+    """--init-from a block-4 drafter into a block-6 run: no tensor depends on the block, so all are copied."""
+    from trtllm_dflash.train.drafter import new_drafter, warm_start
+
+    config = tiny_target_config()
+    target = GptOssTarget(load_hf_gpt_oss(save_random_target(tmp_path / "target", config, seed=1)))
+    source_dir = save_random_drafter(tmp_path / "drafter", drafter_config_for(config, block_size=4,
+                                                                             target_layer_ids=[0, 2]), seed=2)
+    source = load_drafter(source_dir)
+    cfg = TrainConfig(drafter_layers=1, block_size=6, target_layer_ids=[0, 2],
+                      intermediate_size=source.config.intermediate_size)
+    wider = new_drafter(target, cfg, source.config.mask_token_id)
+    assert warm_start(wider, source_dir) == []
+    assert wider.config.block_size == 6
+    for name, tensor in source.state_dict().items():
+        torch.testing.assert_close(wider.state_dict()[name], tensor, rtol=0, atol=0)
+
+
 def test_bad_training_input_fails_before_the_run_directory_exists(tmp_path):
     from click.testing import CliRunner
 

@@ -160,16 +160,16 @@ def warm_start(drafter: DFlashDrafter, source: Path) -> list[str]:
     or z-lab directory) into `drafter`. Layers the source lacks are appended on top as identity
     blocks (`o_proj` and `down_proj` zeroed), so a deeper drafter starts exactly where the
     shallower one ended and training only has to add to it. A source that reads more target layers
-    gives `fc` the columns of the layers kept (e.g. dropping the last layer). Returns the names
-    initialised fresh."""
+    gives `fc` the columns of the layers kept (e.g. dropping the last layer). The block size may differ: no tensor
+    depends on it (the slots past the source's block start untrained, so such a drafter needs training before it
+    drafts well). Returns the names initialised fresh."""
     from ..models.drafter import load_drafter
 
     old = load_drafter(source, dtype=drafter.dtype)
     old_cfg, cfg = old.config, drafter.config
-    if not set(cfg.target_layer_ids) <= set(old_cfg.target_layer_ids) or old_cfg.block_size != cfg.block_size:
-        raise InputError(f"the warm-start drafter reads target layers {old_cfg.target_layer_ids} with block size "
-                         f"{old_cfg.block_size}; this run needs a superset of {cfg.target_layer_ids} and block size "
-                         f"{cfg.block_size}.", path=source)
+    if not set(cfg.target_layer_ids) <= set(old_cfg.target_layer_ids):
+        raise InputError(f"the warm-start drafter reads target layers {old_cfg.target_layer_ids}; this run needs a "
+                         f"superset of {cfg.target_layer_ids}.", path=source)
     state, fresh = old.state_dict(), []
     columns = old.fc.weight.view(cfg.hidden_size, len(old_cfg.target_layer_ids), -1)
     state["fc.weight"] = columns[:, [old_cfg.target_layer_ids.index(i) for i in cfg.target_layer_ids]].flatten(1)
@@ -394,7 +394,8 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, data: str, prompts_file
 @click.option("--lr", default=TrainConfig.lr, show_default=True, type=click.FloatRange(min=0, min_open=True))
 @click.option("--seed", default=TrainConfig.seed, show_default=True)
 @click.option("--init-from", type=click.Path(path_type=Path),
-              help="Warm-start from this drafter directory (deeper drafters get identity layers on top).")
+              help="Warm-start from this drafter directory (deeper drafters get identity layers on top; the block "
+                   "size may differ).")
 @click.option("--extra-sequences", multiple=True, type=(click.Path(path_type=Path), int, float),
               metavar="FILE PROMPT_TOKENS SHARE",
               help="Also train on these sequences (a saved [n, L] tensor of token ids, e.g. another run's "
