@@ -1,7 +1,7 @@
 """The project's compiled CPU kernels: C++ sources built on first use by torch's C++ extension loader.
 
 A source is built (a C++ compiler and ninja, which this project's machines have) into a per-user cache,
-once per source, CPU, torch and Python version, and takes a fraction of a second to load after that.
+once per source, CPU, torch installation and Python version, and takes a fraction of a second to load after that.
 Where it cannot be built (no toolchain) or ``TRTLLM_DFLASH_CPU_KERNEL=0`` is set, `CompiledKernel.module()`
 returns None and its caller runs its torch formulation; `unavailable_reason()` says why.
 """
@@ -54,7 +54,10 @@ class CompiledKernel:
         self.failure: str | None = None
 
     def build_name(self) -> str:
-        key = [cpu_flags(), torch.__version__, sys.implementation.cache_tag]  # a build serves one CPU, torch and Python
+        # a build serves one CPU, torch installation and Python. The installation's path counts: torch's loader writes
+        # its include paths into build.ninja, so two venvs sharing a directory rebuilt each other's kernel at every
+        # switch (~20-30 s a kernel; CI's serve stage ran out of its start deadline so, round 35)
+        key = [cpu_flags(), torch.__version__, str(Path(torch.__file__).parent), sys.implementation.cache_tag]
         headers = sorted(PLUGINS.rglob("*.h"))  # a change to any header rebuilds every kernel: simpler than tracking
         sources = self.source.read_bytes() + b"".join(h.read_bytes() for h in headers)  # which source includes which
         digest = hashlib.sha256(sources + "\n".join(key).encode()).hexdigest()

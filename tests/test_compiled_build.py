@@ -26,3 +26,16 @@ def test_a_killed_builds_lock_does_not_hang_the_next_start():
     finally:
         stale.unlink(missing_ok=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_each_torch_installation_builds_into_a_directory_of_its_own(monkeypatch):
+    """Two venvs with the same torch version keep separate builds: torch's loader writes the installation's include
+    paths into build.ninja, so a shared directory was rebuilt at every switch between them."""
+    import torch
+
+    here = KERNEL.build_name()
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/lib/python3/site-packages/torch/__init__.py")
+    elsewhere = KERNEL.build_name()
+    assert elsewhere != here and elsewhere.startswith(KERNEL.prefix)
+    monkeypatch.undo()
+    assert KERNEL.build_name() == here

@@ -145,10 +145,23 @@ def expected(engine):
     return {r["prompt"]: (r["output_token_ids"], r["text"]) for r in records}
 
 
+def build_compiled_kernels() -> None:
+    """Build this venv's compiled kernels here, before a server's start deadline runs: a fresh venv builds four
+    (~20-30 s each), which the model's stub would otherwise do inside that deadline (CI's serve stage, round 35)."""
+    from trtllm_dflash.plugins.draft_block.cpu import KERNEL as drafter_step
+    from trtllm_dflash.plugins.target.cpu import KERNEL as target_step
+    from trtllm_dflash.runtime.draft_length import KERNEL as draft_length
+    from trtllm_dflash.runtime.suffix_index import KERNEL as suffix_index
+
+    for kernel in (drafter_step, target_step, draft_length, suffix_index):
+        kernel.module()  # cached: a no-op after the first server; None (the torch paths) where it cannot build
+
+
 class Server:
     """dflash-serve on free loopback ports, its output collected."""
 
     def __init__(self, engine: Path, *options: str, cwd: Path | None = None):
+        build_compiled_kernels()
         self.http_port, self.grpc_port = triton.free_port(), triton.free_port()
         while self.grpc_port == self.http_port:
             self.grpc_port = triton.free_port()
@@ -162,7 +175,9 @@ class Server:
         self.shm_prefix = f"triton_python_backend_shm_region_dflash_{self.process.pid}_"
         deadline = time.monotonic() + 120
         while not any(line.startswith("ready:") for line in self.lines):
-            assert self.process.poll() is None and time.monotonic() < deadline, "".join(self.lines)
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()  # one that never got ready must not outlive the test (round 35's kept a core busy)
+                raise AssertionError("dflash-serve did not get ready:\n" + "".join(self.lines))
             time.sleep(0.2)
         self.url = f"http://127.0.0.1:{self.http_port}"
 
