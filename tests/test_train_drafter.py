@@ -169,19 +169,25 @@ def test_distillation_mixes_cross_entropy_with_the_kl_from_the_targets_next_toke
         drafter_loss(drafter, target, sequences, anchors, gamma, torch.zeros(2, 24, 3 * config.hidden_size), distill=1.0)
 
 
-def test_warm_start_grows_a_drafter_without_changing_its_output(tmp_path):
-    """--init-from: a 2-layer drafter started from a 1-layer one gives the 1-layer logits at step 0."""
+def warm_started(tmp_path, drafter_layers: int, block_size: int):
+    """A 1-layer block-4 drafter saved on a random target, and a fresh `drafter_layers`-layer drafter of `block_size`
+    warm-started from it -> (target, the source, the warm-started drafter, the names `warm_start` left fresh)."""
     from trtllm_dflash.train.drafter import new_drafter, warm_start
 
     config = tiny_target_config()
     target = GptOssTarget(load_hf_gpt_oss(save_random_target(tmp_path / "target", config, seed=1)))
-    shallow_dir = save_random_drafter(tmp_path / "drafter", drafter_config_for(config, block_size=4,
-                                                                              target_layer_ids=[0, 2]), seed=2)
-    shallow = load_drafter(shallow_dir)
-    cfg = TrainConfig(drafter_layers=2, block_size=4, target_layer_ids=[0, 2],
-                      intermediate_size=shallow.config.intermediate_size)
-    deep = new_drafter(target, cfg, shallow.config.mask_token_id)
-    fresh = warm_start(deep, shallow_dir)
+    source_dir = save_random_drafter(tmp_path / "drafter", drafter_config_for(config, block_size=4,
+                                                                             target_layer_ids=[0, 2]), seed=2)
+    source = load_drafter(source_dir)
+    cfg = TrainConfig(drafter_layers=drafter_layers, block_size=block_size, target_layer_ids=[0, 2],
+                      intermediate_size=source.config.intermediate_size)
+    drafter = new_drafter(target, cfg, source.config.mask_token_id)
+    return target, source, drafter, warm_start(drafter, source_dir)
+
+
+def test_warm_start_grows_a_drafter_without_changing_its_output(tmp_path):
+    """--init-from: a 2-layer drafter started from a 1-layer one gives the 1-layer logits at step 0."""
+    target, shallow, deep, fresh = warm_started(tmp_path, drafter_layers=2, block_size=4)
     assert fresh and all(name.startswith("layers.1.") for name in fresh)
     sequence = torch.randint(2, 256, (1, 24), generator=torch.Generator().manual_seed(0))
     anchors = torch.tensor([[3, 9, 15]])
@@ -191,18 +197,8 @@ def test_warm_start_grows_a_drafter_without_changing_its_output(tmp_path):
 
 def test_warm_start_takes_every_tensor_of_a_drafter_with_another_block_size(tmp_path):
     """--init-from a block-4 drafter into a block-6 run: no tensor depends on the block, so all are copied."""
-    from trtllm_dflash.train.drafter import new_drafter, warm_start
-
-    config = tiny_target_config()
-    target = GptOssTarget(load_hf_gpt_oss(save_random_target(tmp_path / "target", config, seed=1)))
-    source_dir = save_random_drafter(tmp_path / "drafter", drafter_config_for(config, block_size=4,
-                                                                             target_layer_ids=[0, 2]), seed=2)
-    source = load_drafter(source_dir)
-    cfg = TrainConfig(drafter_layers=1, block_size=6, target_layer_ids=[0, 2],
-                      intermediate_size=source.config.intermediate_size)
-    wider = new_drafter(target, cfg, source.config.mask_token_id)
-    assert warm_start(wider, source_dir) == []
-    assert wider.config.block_size == 6
+    _, source, wider, fresh = warm_started(tmp_path, drafter_layers=1, block_size=6)
+    assert fresh == [] and wider.config.block_size == 6
     for name, tensor in source.state_dict().items():
         torch.testing.assert_close(wider.state_dict()[name], tensor, rtol=0, atol=0)
 
