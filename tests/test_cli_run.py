@@ -419,7 +419,6 @@ def test_ctrl_c_before_any_result_exits_130_without_statistics(tiny_pair, monkey
     assert "Traceback" not in result.output
 
 
-
 @pytest.mark.parametrize("ignored", [True, False])
 def test_ctrl_c_while_the_interpreter_exits_is_ignored_once_a_command_ran(ignored):
     """A SIGINT during interpreter exit, after the command reported, raised KeyboardInterrupt in torch's exit hooks
@@ -438,6 +437,7 @@ def test_ctrl_c_while_the_interpreter_exits_is_ignored_once_a_command_ran(ignore
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0
     assert ("KeyboardInterrupt" in done.stderr) is not ignored, done.stderr
+
 
 def test_no_arguments_without_embedded_pair_is_a_clear_error(monkeypatch, tmp_path):
     import trtllm_dflash.embedded as embedded
