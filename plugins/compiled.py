@@ -85,9 +85,9 @@ class CompiledKernel:
             with open(directory / "build.flock", "w") as guard:
                 fcntl.flock(guard, fcntl.LOCK_EX)
                 (directory / "lock").unlink(missing_ok=True)
-                if not (directory / f"{name}.so").is_file():  # the one slow start a machine sees: say so
-                    print(f"building the {self.what} in {directory} (once per machine, about 20 s)", file=sys.stderr,
-                          flush=True)
+                if not (directory / f"{name}.so").is_file():  # the one slow start a torch installation sees: say so
+                    print(f"building the {self.what} in {directory} (once per torch installation, about 20 s)",
+                          file=sys.stderr, flush=True)
                 module = load(name, [str(self.source)], extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
                               build_directory=str(directory), verbose=False)
         except Exception as exc:  # a missing compiler or ninja surfaces as RuntimeError, OSError, or a build error
